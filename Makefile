@@ -1,0 +1,41 @@
+# Two commands set everything up on a fresh machine and reuse what exists on a second run:
+#   make demo   - environment, demo model, then a logit lens on a multi-rank engine
+#   make test   - environment, browser for the widget tests, then the whole test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Extra pip options, e.g. PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
+# on a machine whose pip does not already find torch==2.13.0+cpu.
+PIP_EXTRA ?=
+INSTALLED := $(VENV)/.installed
+PROMPT ?= The capital of France is
+TARGET ?= " Paris"
+
+.PHONY: demo test lab lint browser env
+
+env: $(INSTALLED)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# The lock is installed without dependency resolution: exactly these versions, nothing else.
+$(INSTALLED): $(PY) requirements/cpu.lock pyproject.toml
+	$(PY) -m pip install --quiet --no-deps $(PIP_EXTRA) -r requirements/cpu.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -c "import vllm, nnsight, envoykit"
+	touch $(INSTALLED)
+
+demo: $(INSTALLED)
+	$(VENV)/bin/envoykit lens "$(PROMPT)" --model demo --target $(TARGET) --out lens.png
+
+# Debian's chromium drives the widget tests (Playwright, no browser download).
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+
+test: $(INSTALLED) browser
+	$(VENV)/bin/ruff check envoykit tests bench
+	$(VENV)/bin/ruff format --check envoykit tests bench
+	$(VENV)/bin/pytest
+
+lab: $(INSTALLED)
+	$(VENV)/bin/envoykit lab

@@ -1,0 +1,23 @@
+"""envoykit: interpretability on tensor-parallel vLLM engines.
+
+Every module of the served model is an nnsight envoy; ad-hoc calls on sharded modules take
+and return whole tensors; a logit lens runs on the ranks and ships back only what is shown.
+"""
+
+from envoykit import plot
+from envoykit.engine import Engine, ModelInfo
+from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest, ShardedValue
+from envoykit.result import LensResult, TargetTrace
+
+__all__ = [
+    "Engine",
+    "EngineDead",
+    "EnvoykitError",
+    "InvalidRequest",
+    "LensResult",
+    "ModelInfo",
+    "ShardedValue",
+    "TargetTrace",
+    "plot",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,97 @@
+"""The ``envoykit`` command: ``info``, ``lens`` and ``lab``.
+
+Engines need the ``if __name__ == "__main__"`` guard vLLM's spawned ranks expect; a console
+script's entry point provides it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="envoykit", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    info = commands.add_parser("info", help="start an engine, print ModelInfo and a generation")
+    _engine_options(info)
+    info.add_argument("--prompt", default="The capital of France is")
+
+    lens = commands.add_parser("lens", help="logit lens of a prompt: top-1 per layer and a PNG")
+    lens.add_argument("prompt")
+    _engine_options(lens)
+    lens.add_argument("--target", action="append", default=[], help="target token (repeatable)")
+    lens.add_argument("--top-k", type=int, default=10)
+    lens.add_argument("--out", type=Path, default=Path("lens.png"), help="figure (.png/.svg)")
+    lens.add_argument("--json", type=Path, help="also write the LensResult as JSON")
+
+    lab = commands.add_parser("lab", help="JupyterLab on notebooks/, bound to 127.0.0.1")
+    lab.add_argument("--port", type=int, default=8888)
+    lab.add_argument("--dir", type=Path, default=Path("notebooks"))
+
+    args = parser.parse_args(argv)
+    if args.command == "lab":
+        return _lab(args)
+    from envoykit import Engine, EnvoykitError
+
+    try:
+        with Engine(args.model, args.tp, dtype=args.dtype) as engine:
+            if args.command == "info":
+                _print_info(engine, args.prompt)
+            else:
+                _print_lens(engine, args)
+    except EnvoykitError as error:
+        print(f"envoykit: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="demo", help="built-in name, local dir or hub id")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: max)")
+    parser.add_argument("--dtype", default="auto")
+
+
+def _print_info(engine, prompt: str) -> None:
+    for key, value in vars(engine.info).items():
+        print(f"{key:>14}: {value}")
+    print(f"\n{prompt!r} -> {engine.generate(prompt, max_tokens=12)!r}")
+
+
+def _print_lens(engine, args: argparse.Namespace) -> None:
+    res = engine.lens(args.prompt, layers=["embed", "all"], top_k=args.top_k, targets=args.target)
+    info = engine.info
+    print(f"logit lens of {args.prompt!r} on {info.name}, {info.tp} {info.platform} ranks")
+    print(f"top-1 next token per layer at the last position ({res.tokens[-1]!r}):")
+    traces = [res.target(t) for t in res.target_labels]
+    for i, (layer, token, prob) in enumerate(res.top1(-1)):
+        extra = "".join(
+            f"   p({t.token!r})={t.prob[i, -1]:.3f} rank {t.rank[i, -1] + 1}" for t in traces
+        )
+        label = "embed" if layer == 0 else layer
+        print(f"  layer {label:>5}: {token!r:<16} p={prob:.3f}{extra}")
+    figure = res.plot()
+    figure.savefig(args.out, dpi=120)
+    print(f"heatmap written to {args.out}")
+    if args.json:
+        res.to_json(str(args.json))
+        print(f"result written to {args.json}")
+
+
+def _lab(args: argparse.Namespace) -> int:
+    import secrets
+    import subprocess
+
+    token = secrets.token_hex(16)
+    print(f"JupyterLab: http://127.0.0.1:{args.port}/lab?token={token}", flush=True)
+    command = [
+        sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", "--ip=127.0.0.1",
+        f"--port={args.port}", "--no-browser", f"--IdentityProvider.token={token}",
+    ]  # fmt: skip
+    return subprocess.call(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""`Engine`: start, use and close a multi-rank vLLM engine under nnsight.
+
+One object owns the engine's processes for its whole lifetime: it picks the platform and the
+tensor-parallel size, checks the request before any rank starts, keeps vLLM's log out of the
+notebook, serialises requests from several threads, and closes every rank process and shared
+memory segment on ``close()``, on garbage collection and at interpreter exit. Ranks also die
+with the owning process if it is killed (see `envoykit.lifeline`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from envoykit import logs, models, platform
+from envoykit.errors import EngineDead, InvalidRequest
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Enough KV cache for a few prompts of max_model_len tokens on the built-in models.
+_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+_DEFAULT_MAX_MODEL_LEN = 1024
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine is running: the model's shape and how it is split."""
+
+    name: str
+    path: str
+    n_layers: int
+    d_model: int
+    vocab: int
+    n_heads: int
+    n_kv_heads: int
+    tp: int
+    platform: str
+    dtype: str
+    max_model_len: int
+
+
+def valid_tp_sizes(config: dict) -> list[int]:
+    """TP sizes vLLM can split this model into: heads, KV heads and MLP width must divide."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    width = config.get("intermediate_size")
+    return [
+        tp
+        for tp in range(1, heads + 1)
+        if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0) and (not width or width % tp == 0)
+    ]
+
+
+def choose_tp(config: dict, requested: int | None, platform_name: str) -> int:
+    """The requested TP size, checked; or the largest the model allows and the machine hosts."""
+    valid = valid_tp_sizes(config)
+    limit = platform.max_ranks(platform_name)
+    if requested is None:
+        fitting = [tp for tp in valid if tp <= limit]
+        return max(fitting) if fitting else 1
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise InvalidRequest(f"tensor_parallel_size must be a positive integer, not {requested!r}")
+    if requested not in valid:
+        raise InvalidRequest(
+            f"tensor_parallel_size={requested} does not split this model: its "
+            f"{config['num_attention_heads']} attention heads, "
+            f"{config.get('num_key_value_heads') or config['num_attention_heads']} KV heads and "
+            f"MLP width must divide evenly. Valid sizes: {valid}"
+        )
+    if requested > limit:
+        unit = "GPUs" if platform_name == "cuda" else f"ranks ({len(platform.usable_cpus())} cores)"
+        raise InvalidRequest(
+            f"tensor_parallel_size={requested} is more than this machine hosts: at most {limit} "
+            f"{unit}. Valid sizes that fit: {[tp for tp in valid if tp <= limit]}"
+        )
+    return requested
+
+
+class Engine:
+    """A tensor-parallel vLLM engine whose modules are nnsight envoys.
+
+    >>> import envoykit as ek
+    >>> with ek.Engine("tiny", tensor_parallel_size=2, progress=False) as engine:
+    ...     engine.info.tp, engine.info.n_layers
+    (2, 4)
+    """
+
+    def __init__(
+        self,
+        model: str = "demo",
+        tensor_parallel_size: int | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        log_level: str = "WARNING",
+        progress: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
+        """Start the engine; every check that can fail runs before a rank starts.
+
+        ``dtype="auto"`` is float32 on CPU (numerics comparable with a float32 reference;
+        bfloat16 is 1.5-2x faster and may be asked for) and the checkpoint's dtype on GPU.
+        ``engine_kwargs`` go to ``vllm.LLM`` unchanged.
+        """
+        if dtype not in DTYPES:
+            raise InvalidRequest(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+        self._platform = platform.platform_name()
+        self._source = models.resolve(model)
+        self._config = models.read_config(self._source)
+        self._tp = choose_tp(self._config, tensor_parallel_size, self._platform)
+        self._dtype = "float32" if dtype == "auto" and self._platform == "cpu" else dtype
+        limit = self._config.get("max_position_embeddings") or _DEFAULT_MAX_MODEL_LEN
+        self._max_model_len = max_model_len or min(limit, _DEFAULT_MAX_MODEL_LEN)
+        if self._max_model_len > limit:
+            raise InvalidRequest(
+                f"max_model_len={max_model_len} exceeds the model's {limit} positions"
+            )
+        self._log_level = log_level
+        self._progress = progress
+        self._engine_kwargs = engine_kwargs
+        self._lock = threading.RLock()
+        self._llm: Any = None
+        self._finalizer: weakref.finalize | None = None
+        self.log_file = None
+        self._start()
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from tqdm.auto import tqdm
+
+        started = time.perf_counter()
+        steps = tqdm(total=3, desc=f"{self._source.name}: preparing", disable=not self._progress)
+        self.log_file, log_env = logs.configure(models.cache_dir() / "logs", self._log_level)
+        workers = platform.worker_module(self._platform)
+        env = {**platform.rank_environment(self._platform, self._tp), **log_env}
+        with platform.environment(env):
+            from envoykit.envoys import EnvoykitVLLM
+
+            workers.prepare_client()
+            steps.update()
+            steps.set_description(f"{self._source.name}: starting {self._tp} rank(s)")
+            kwargs = {"kv_cache_memory_bytes": _DEFAULT_KV_CACHE_BYTES, **self._engine_kwargs}
+            llm = EnvoykitVLLM(
+                self._source.path,
+                worker_cls=workers.WORKER_CLS,
+                dispatch=True,
+                tensor_parallel_size=self._tp,
+                dtype=self._dtype,
+                max_model_len=self._max_model_len,
+                **kwargs,
+            )
+            steps.update()
+        self._llm = llm
+        self._finalizer = weakref.finalize(self, _shutdown, llm)
+        self._find_paths(llm._module)
+        steps.set_description(f"{self._source.name}: ready")
+        steps.update()
+        steps.close()
+        self.load_seconds = time.perf_counter() - started
+        if self._progress:
+            print(
+                f"envoykit: {self._source.name} on {self._tp} {self._platform} rank(s), "
+                f"{self._dtype}, ready in {self.load_seconds:.1f} s; vLLM log: {self.log_file}"
+            )
+
+    def _find_paths(self, meta_model: Any) -> None:
+        """Where the decoder layers, the final norm and the unembedding live in this model."""
+        from envoykit.envoys import decoder_layers, unembedding_module
+
+        self.layers_path, _ = decoder_layers(meta_model)
+        parent_path = self.layers_path.rpartition(".")[0]
+        parent = meta_model.get_submodule(parent_path) if parent_path else meta_model
+        norms = [name for name, _ in parent.named_children() if "norm" in name]
+        if not norms:
+            raise InvalidRequest(f"{type(meta_model).__name__} has no final norm beside its layers")
+        self.final_norm_path = f"{parent_path}.{norms[-1]}" if parent_path else norms[-1]
+        head = unembedding_module(meta_model)
+        self.unembedding_path = next(
+            name
+            for name, module in meta_model.named_modules(remove_duplicate=False)
+            if module is head
+        )
+        if hasattr(meta_model, "lm_head"):
+            self.unembedding_path = "lm_head"
+
+    def close(self) -> None:
+        """Stop every rank and the engine core; free their shared memory. Idempotent."""
+        with self._lock:
+            if self._finalizer is not None:
+                self._finalizer()
+            self._llm = None
+
+    def restart(self) -> None:
+        """Close (if needed) and start a fresh engine with the same settings."""
+        with self._lock:
+            self.close()
+            self._start()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._llm is None
+
+    # -- use ------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Any:
+        """nnsight's VLLM envoy tree of the model, with envoykit's envoys map installed."""
+        if self._llm is None:
+            raise EngineDead("the engine is closed: call engine.restart() or start a new Engine")
+        return self._llm
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def info(self) -> ModelInfo:
+        config = self._config
+        heads = config["num_attention_heads"]
+        return ModelInfo(
+            name=self._source.name,
+            path=self._source.path,
+            n_layers=config["num_hidden_layers"],
+            d_model=config["hidden_size"],
+            vocab=config["vocab_size"],
+            n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads,
+            tp=self._tp,
+            platform=self._platform,
+            dtype=self._dtype,
+            max_model_len=self._max_model_len,
+        )
+
+    def trace(self, *prompts: Any, **kwargs: Any) -> Any:
+        """nnsight's trace on this engine; greedy and one new token unless told otherwise."""
+        kwargs.setdefault("temperature", 0.0)
+        kwargs.setdefault("max_tokens", 1)
+        return self.model.trace(*prompts, **kwargs)
+
+    def lens(
+        self,
+        prompt: str | list[str],
+        *,
+        layers: Any = None,
+        positions: Any = None,
+        top_k: int = 10,
+        targets: Any = (),
+        generate: int = 0,
+        dtype: str | None = None,
+    ) -> Any:
+        """Logit lens of ``prompt`` in one forward pass, reduced on the ranks.
+
+        ``layers``: None/"all" (decoder layers 1..n), numbers (negative from the end), a
+        range, and/or "embed" (layer 0). ``targets``: strings (their first token) or token
+        ids. ``generate=N`` also lenses the N greedily generated tokens. ``dtype``: precision
+        of the reductions ("float32", or "float64"). A list of prompts gives a list of
+        results (one trace).
+
+        Returns a `LensResult` (a list of them for a list of prompts).
+        """
+        from envoykit import lens, request
+
+        info = self.info
+        req = request.build_request(
+            self.tokenizer,
+            info.n_layers,
+            info.vocab,
+            info.max_model_len,
+            prompt,
+            layers=layers,
+            positions=positions,
+            top_k=top_k,
+            targets=targets,
+            generate=generate,
+            dtype=dtype,
+        )
+        with self._lock:
+            results = lens.run(self, req)
+        return results if isinstance(prompt, (list, tuple)) else results[0]
+
+    def locations(self) -> list:
+        """Every location whose value is whole at any TP size (`envoykit.envoys.Location`)."""
+        from envoykit.envoys import whole_locations
+
+        return whole_locations(self.model._module)
+
+    def generate(self, prompt: str, max_tokens: int = 16) -> str:
+        """Greedy continuation of ``prompt`` (plain vLLM generation, no interventions)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        with self._lock:
+            outputs = self.model.vllm_entrypoint.generate([prompt], params, use_tqdm=False)
+        return outputs[0].outputs[0].text
+
+    def generate_ids(self, prompt: str, max_tokens: int = 16) -> list[int]:
+        """Token ids of the greedy continuation of ``prompt``."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        with self._lock:
+            outputs = self.model.vllm_entrypoint.generate([prompt], params, use_tqdm=False)
+        return list(outputs[0].outputs[0].token_ids)
+
+    def __reduce__(self) -> tuple:
+        # Trace code that names the engine (``engine.model.lm_head(...)``) is shipped to the
+        # ranks; there the engine is its envoy tree, which nnsight maps to the rank's own.
+        return (_OnRank, (self.model,))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"tp={self._tp}, {self._platform}, {self._dtype}"
+        return f"Engine({self._source.name!r}, {state})"
+
+
+class _OnRank:
+    """What an `Engine` named inside trace code is on a rank: its model's envoy tree."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.tokenizer = model.tokenizer
+
+
+def _shutdown(llm: Any) -> None:
+    """Shut the engine core down; it stops the ranks and unlinks their shared memory."""
+    entry = getattr(llm, "vllm_entrypoint", None)
+    if entry is not None:
+        entry.llm_engine.engine_core.shutdown()

@@ -1,0 +1,28 @@
+"""nnsight's GPU worker with envoykit's fragment rules (the CUDA counterpart of `envoykit.cpu`)."""
+
+from __future__ import annotations
+
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+
+from envoykit.envoys import InstallFragments
+
+WORKER_CLS = "envoykit.gpu.EnvoykitGPUWorker"
+
+
+class EnvoykitGPUModelRunner(InstallFragments, NNsightGPUModelRunner):
+    """nnsight's GPU runner whose envoy tree uses envoykit's fragment rules."""
+
+
+class EnvoykitGPUWorker(NNsightGPUWorker):
+    """nnsight's GPU worker, with the runner class that installs envoykit's fragment rules."""
+
+    def init_device(self) -> None:
+        # nnsight's worker already re-classes vLLM's runner to its own (it adds behaviour,
+        # no state); ours only adds `InstallFragments.load_model` on top.
+        super().init_device()
+        self.model_runner.__class__ = EnvoykitGPUModelRunner
+
+
+def prepare_client() -> None:
+    """Nothing to prepare: a CUDA client answers accelerator calls itself."""

@@ -1,0 +1,232 @@
+"""The logit lens, computed on the ranks: what runs inside the trace, and what comes back.
+
+For each picked layer the residual stream after it goes through the model's final norm the
+way vLLM computes its own last step — the fused add-norm on the layer's ``(hidden,
+residual)`` pair — so the last layer's lens equals the model's logits exactly, in bfloat16 as
+in float32. All picked layers are stacked into one ``[layers * positions, d_model]`` matrix and
+unembedded in one call (one GEMM, one vocab all-gather), chunked only when the full-vocab
+logits would pass a memory budget. Every rank then reduces the logits alike — top-k, target
+probability and rank, entropy, KL to the final layer — and only those ``O(layers * positions *
+k)`` numbers are saved; the full-vocab tensor never leaves the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from envoykit.request import LensRequest
+from envoykit.result import LensResult
+
+if TYPE_CHECKING:
+    from envoykit.engine import Engine
+
+# Full-vocab float32 logits (and their log-softmax) per unembedding call stay under this.
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+
+
+def lens_statistics(
+    norm: Any,
+    head: Any,
+    streams: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    positions: torch.Tensor | None,
+    top_k: int,
+    targets: Sequence[int],
+    vocab: int,
+    dtype: torch.dtype = torch.float32,
+    budget: int = DEFAULT_MEMORY_BUDGET,
+) -> dict[str, torch.Tensor]:
+    """Reduce the lens of ``streams`` (one ``(hidden, residual)`` per layer) on this rank.
+
+    The last stream is the final layer: KL is measured against its distribution. Returns CPU
+    tensors: ``top_ids``/``top_probs`` ``[layers, positions, k]``, ``entropy``/``kl``
+    ``[layers, positions]``, ``target_probs``/``target_ranks`` ``[layers, positions, targets]``
+    (rank 0 = the most likely token).
+    """
+    rows = [_final_norm(norm, hidden, residual) for hidden, residual in streams]
+    if positions is not None:
+        rows = [row[positions] for row in rows]
+    n_pos = rows[0].shape[0]
+    per_call = layers_per_call(n_pos, vocab, budget)
+    # The final layer's chunk goes first: every chunk needs its distribution for KL.
+    chunks = [rows[max(0, end - per_call) : end] for end in range(len(rows), 0, -per_call)]
+    final_logp = None
+    pieces: list[dict[str, torch.Tensor]] = []
+    for chunk in chunks:
+        logits = head(torch.cat(chunk, dim=0)).to(dtype)
+        logp = torch.log_softmax(logits, dim=-1).unflatten(0, (len(chunk), n_pos))
+        if final_logp is None:
+            final_logp = logp[-1]
+        pieces.append(_reduce(logp, final_logp, top_k, targets))
+    pieces.reverse()
+    return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
+
+
+def _final_norm(norm: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    # vLLM's fused add-norm may work in place: the model's own forward must not see it.
+    if residual is None:
+        return norm(hidden.clone())
+    return norm(hidden.clone(), residual.clone())[0]
+
+
+def _reduce(
+    logp: torch.Tensor, final_logp: torch.Tensor, top_k: int, targets: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """Top-k, entropy, KL(final || layer) and target statistics of ``[layers, pos, vocab]``."""
+    top_logp, top_ids = logp.topk(top_k, dim=-1)
+    probs = logp.exp()
+    entropy = -(probs * logp).sum(-1)
+    final_p = final_logp.exp()
+    kl = (final_p * (final_logp - logp)).sum(-1).clamp_min(0.0)
+    ids = torch.tensor(list(targets), dtype=torch.long)
+    target_logp = logp[..., ids]
+    ranks = [(logp > target_logp[..., i : i + 1]).sum(-1) for i in range(len(ids))]
+    shape = (*logp.shape[:2], 0)
+    return {
+        "top_ids": top_ids.cpu(),
+        "top_probs": top_logp.exp().cpu(),
+        "entropy": entropy.cpu(),
+        "kl": kl.cpu(),
+        "target_probs": target_logp.exp().cpu(),
+        "target_ranks": torch.stack(ranks, -1).cpu() if ranks else torch.zeros(shape).long(),
+    }
+
+
+def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
+    """Layers per unembedding call so their logits, log-probs and probs fit ``budget`` bytes."""
+    return max(1, math.floor(budget / max(1, n_pos * vocab * 4 * 3)))
+
+
+def run(
+    engine: Engine, request: LensRequest, budget: int = DEFAULT_MEMORY_BUDGET
+) -> list[LensResult]:
+    """Run ``request`` in one trace (one invoke per prompt); one `LensResult` per prompt.
+
+    With ``generate=N`` the trace runs N+1 steps: the prompt's prefill, then each generated
+    token as it is fed back, so every position in the result is an input token and its lens
+    shows what the model predicts next there.
+    """
+    import nnsight
+
+    model = engine.model
+    layer_list = _at(model, engine.layers_path)
+    norm = _at(model, engine.final_norm_path)
+    head = _at(model, engine.unembedding_path)
+    n_layers = engine.info.n_layers
+    # The final layer is always computed (KL is measured against it) and dropped if unpicked.
+    stream_layers = sorted({*request.layers, n_layers} - {0})
+    embed = 0 in request.layers
+    positions = None if request.positions is None else torch.tensor(request.positions)
+    target_ids = [t.token_id for t in request.targets]
+    vocab = engine.info.vocab
+    reduce_dtype = getattr(torch, request.reduce_dtype)
+    top_k, steps_wanted = request.top_k, request.generate + 1
+    with engine.trace(max_tokens=steps_wanted) as tracer:
+        for prompt in request.prompts:
+            with tracer.invoke(prompt):
+                steps = nnsight.save([])
+                samples = nnsight.save([])
+                for step in tracer.iter[:steps_wanted]:
+                    streams = []
+                    if embed:
+                        args, kwargs = layer_list[0].inputs
+                        streams.append(
+                            (args[1] if len(args) > 1 else kwargs["hidden_states"], None)
+                        )
+                    for number in stream_layers:
+                        output = layer_list[number - 1].output
+                        streams.append((output[0], output[1]))
+                    steps.append(
+                        lens_statistics(
+                            norm,
+                            head,
+                            streams,
+                            positions if step == 0 else None,
+                            top_k,
+                            target_ids,
+                            vocab,
+                            reduce_dtype,
+                            budget,
+                        )
+                    )
+                    samples.append(model.samples.cpu())
+    if len(request.prompts) == 1:
+        steps, samples = [steps], [samples]
+    return [
+        _assemble(engine, request, i, prompt_steps, prompt_samples, stream_layers, embed)
+        for i, (prompt_steps, prompt_samples) in enumerate(zip(steps, samples))
+    ]
+
+
+def _at(root: Any, path: str) -> Any:
+    envoy = root
+    for part in path.split("."):
+        envoy = getattr(envoy, part)
+    return envoy
+
+
+def _assemble(
+    engine: Engine,
+    request: LensRequest,
+    index: int,
+    steps: list[dict[str, torch.Tensor]],
+    samples: list[torch.Tensor],
+    stream_layers: list[int],
+    embed: bool,
+) -> LensResult:
+    """Join the steps along positions, drop the unpicked final layer, label everything."""
+    tokenizer = engine.tokenizer
+    stats = {key: torch.cat([step[key] for step in steps], dim=1).numpy() for key in steps[0]}
+    computed = ([0] if embed else []) + stream_layers
+    keep = [computed.index(layer) for layer in request.layers]
+    stats = {key: value[keep] for key, value in stats.items()}
+    prompt_ids = list(request.prompt_ids[index])
+    generated = [int(s.flatten()[0]) for s in samples[: request.generate]]
+    prompt_positions = (
+        list(range(len(prompt_ids))) if request.positions is None else list(request.positions)
+    )
+    positions = prompt_positions + [len(prompt_ids) + i for i in range(len(generated))]
+    all_ids = prompt_ids + generated
+    if stats["entropy"].shape[1] != len(positions):
+        raise RuntimeError(
+            f"the ranks returned {stats['entropy'].shape[1]} positions, expected {len(positions)}: "
+            "the engine tokenized the prompt differently from its tokenizer"
+        )
+    token_ids = np.array([all_ids[p] for p in positions])
+    top_ids = stats["top_ids"]
+    decoded = {int(i): tokenizer.decode([int(i)]) for i in np.unique(top_ids)}
+    top_tokens = np.vectorize(lambda i: decoded[int(i)], otypes=[object])(top_ids)
+    return LensResult(
+        prompt=request.prompts[index],
+        token_ids=token_ids,
+        tokens=distinct_labels([tokenizer.decode([int(i)]) for i in token_ids], positions),
+        positions=np.array(positions),
+        layers=np.array(request.layers),
+        top_ids=top_ids.astype(np.int64),
+        top_tokens=top_tokens,
+        top_probs=stats["top_probs"].astype(np.float32),
+        entropy=stats["entropy"].astype(np.float32),
+        kl=stats["kl"].astype(np.float32),
+        target_ids=np.array([t.token_id for t in request.targets], dtype=np.int64),
+        target_labels=tuple(t.label for t in request.targets),
+        target_tokens=tuple(t.token for t in request.targets),
+        target_probs=stats["target_probs"].astype(np.float32),
+        target_ranks=stats["target_ranks"].astype(np.int64),
+        n_generated=len(generated),
+        meta={"model": engine.info.name, "tp": engine.info.tp, "dtype": engine.info.dtype},
+    )
+
+
+def distinct_labels(tokens: list[str], positions: list[int]) -> tuple[str, ...]:
+    """Tokens as labels, a repeated one suffixed with its position (``"the#5"``)."""
+    counts: dict[str, int] = {}
+    for token in tokens:
+        counts[token] = counts.get(token, 0) + 1
+    return tuple(
+        token if counts[token] == 1 else f"{token}#{position}"
+        for token, position in zip(tokens, positions)
+    )

@@ -1,0 +1,115 @@
+"""Matplotlib figures drawn from a `LensResult`; nothing here computes a statistic.
+
+``heatmap`` shows layers x positions with the top-1 token written in each cell; the colour is
+the top-1 probability, the entropy, the KL to the final layer, or a target's probability.
+``trajectory`` follows target tokens across layers at one position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from envoykit.result import LensResult
+
+METRICS = {
+    "prob": ("top-1 probability", "Blues", (0.0, 1.0)),
+    "entropy": ("entropy (nats)", "magma_r", None),
+    "kl": ("KL(final || layer) (nats)", "viridis_r", None),
+}
+
+
+def metric_values(res: LensResult, metric: str) -> tuple[np.ndarray, str]:
+    """The ``[layers, positions]`` grid a heatmap colours by, and its label."""
+    if metric in METRICS:
+        grid = {"prob": res.top_probs[..., 0], "entropy": res.entropy, "kl": res.kl}[metric]
+        return grid, METRICS[metric][0]
+    try:
+        trace = res.target(metric)
+    except KeyError:
+        raise KeyError(
+            f"unknown metric {metric!r}: use one of {list(METRICS)} or a target "
+            f"{list(res.target_labels)}"
+        ) from None
+    return trace.prob, f"p({trace.token!r})"
+
+
+def heatmap(
+    res: LensResult, metric: str = "prob", *, ax: Any = None, title: str | None = None
+) -> Any:
+    """Layers (rows, last on top) x positions (columns), top-1 token in each cell."""
+    import matplotlib.pyplot as plt
+
+    grid, label = metric_values(res, metric)
+    n_layers, n_pos = grid.shape
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(2.0 + 1.1 * n_pos, 30), min(1.5 + 0.32 * n_layers, 30)))
+    cmap, limits = METRICS.get(metric, ("target", "Greens", (0.0, 1.0)))[1:]
+    vmin, vmax = limits or (float(np.nanmin(grid)), float(np.nanmax(grid)) or 1.0)
+    image = ax.imshow(grid, aspect="auto", origin="lower", cmap=cmap, vmin=vmin, vmax=vmax)
+    threshold = vmin + 0.6 * (vmax - vmin)
+    for li in range(n_layers):
+        for pi in range(n_pos):
+            color = (
+                "white" if (grid[li, pi] > threshold) == (cmap in ("Blues", "Greens")) else "black"
+            )
+            ax.text(
+                pi,
+                li,
+                _short(res.top_tokens[li, pi, 0]),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color=color,
+            )
+    ax.set_xticks(
+        range(n_pos), [_short(t, 12) for t in res.tokens], rotation=45, ha="right", fontsize=8
+    )
+    ax.set_yticks(range(n_layers), res.layer_labels, fontsize=8)
+    ax.set_xlabel("input token")
+    ax.set_ylabel("layer")
+    ax.set_title(title or f"logit lens: {label}, top-1 token per cell", fontsize=10)
+    ax.figure.colorbar(image, ax=ax, label=label, fraction=0.04)
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def trajectory(
+    res: LensResult, targets: str | int | Sequence[str | int], *, position: int = -1, ax: Any = None
+) -> Any:
+    """Probability (left axis) and rank (right axis, log scale) of targets across layers."""
+    import matplotlib.pyplot as plt
+
+    targets = [targets] if isinstance(targets, (str, int)) else list(targets)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    ranks = ax.twinx()
+    x = np.arange(len(res.layers))
+    for target in targets:
+        trace = res.target(target)
+        (line,) = ax.plot(x, trace.prob[:, position], marker="o", label=f"p({trace.token!r})")
+        ranks.plot(
+            x,
+            trace.rank[:, position] + 1,
+            linestyle="--",
+            color=line.get_color(),
+            label=f"rank({trace.token!r})",
+        )
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("probability")
+    ranks.set_yscale("log")
+    ranks.invert_yaxis()
+    ranks.set_ylabel("rank (1 = top)")
+    ax.set_xticks(x, res.layer_labels, fontsize=8)
+    ax.set_xlabel("layer")
+    ax.set_title(f"target tokens at position {res.tokens[position]!r}", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def _short(text: Any, width: int = 8) -> str:
+    text = str(text).replace("\n", "\\n")
+    return text if len(text) <= width else text[: width - 1] + "…"

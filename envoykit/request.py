@@ -1,0 +1,179 @@
+"""Checking a lens request on the client, before anything reaches the ranks.
+
+A bad request must never become a hang, a raw traceback from a rank, or a silently wrong
+number: everything a rank would trip on is checked here against the model's shape and the
+tokenizer, and refused with an `InvalidRequest` that says what is valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from envoykit.errors import InvalidRequest
+
+LayerSpec = int | str | range | Sequence[int | str] | None
+REDUCE_DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    token_id: int
+    token: str
+
+
+@dataclass(frozen=True)
+class LensRequest:
+    """A validated lens request: prompts tokenized, layers and positions normalised."""
+
+    prompts: tuple[str, ...]
+    prompt_ids: tuple[tuple[int, ...], ...]
+    layers: tuple[int, ...]
+    positions: tuple[int, ...] | None
+    top_k: int
+    targets: tuple[Target, ...]
+    generate: int
+    reduce_dtype: str
+
+
+def build_request(
+    tokenizer: Any,
+    n_layers: int,
+    vocab: int,
+    max_model_len: int,
+    prompt: str | Sequence[str],
+    *,
+    layers: LayerSpec = None,
+    positions: int | Sequence[int] | None = None,
+    top_k: int = 10,
+    targets: str | int | Sequence[str | int] = (),
+    generate: int = 0,
+    dtype: str | None = None,
+) -> LensRequest:
+    prompts = _prompts(prompt)
+    generate = _count("generate", generate, minimum=0)
+    prompt_ids = tuple(tuple(tokenizer(p)["input_ids"]) for p in prompts)
+    for text, ids in zip(prompts, prompt_ids):
+        if not ids:
+            raise InvalidRequest(f"prompt {text!r} tokenizes to no tokens")
+        if len(ids) + generate > max_model_len:
+            raise InvalidRequest(
+                f"prompt of {len(ids)} tokens plus generate={generate} exceeds the engine's "
+                f"max_model_len={max_model_len}: shorten the prompt or start the Engine with a "
+                "larger max_model_len"
+            )
+    top_k = _count("top_k", top_k, minimum=1)
+    if top_k > vocab:
+        raise InvalidRequest(f"top_k={top_k} exceeds the vocabulary size ({vocab})")
+    reduce_dtype = dtype or "float32"
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise InvalidRequest(f"dtype must be one of {REDUCE_DTYPES}, not {dtype!r}")
+    return LensRequest(
+        prompts=prompts,
+        prompt_ids=prompt_ids,
+        layers=normalise_layers(layers, n_layers),
+        positions=_positions(positions, min(len(ids) for ids in prompt_ids)),
+        top_k=top_k,
+        targets=tuple(_target(tokenizer, vocab, t) for t in _as_list(targets)),
+        generate=generate,
+        reduce_dtype=reduce_dtype,
+    )
+
+
+def _prompts(prompt: Any) -> tuple[str, ...]:
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidRequest(
+            f"prompt must be a string or a non-empty list of strings, not {type(prompt).__name__}"
+        )
+    for p in prompts:
+        if not isinstance(p, str):
+            raise InvalidRequest(f"each prompt must be a string, not {type(p).__name__}")
+        if not p.strip():
+            raise InvalidRequest("the prompt is empty: give the text whose lens you want")
+    return tuple(prompts)
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidRequest(f"{name} must be an integer >= {minimum}, not {value!r}")
+    return value
+
+
+def _as_list(value: Any) -> list:
+    if isinstance(value, (str, int)):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise InvalidRequest(
+        f"expected a string, an integer or a list of them, not {type(value).__name__}"
+    )
+
+
+def normalise_layers(layers: LayerSpec, n_layers: int) -> tuple[int, ...]:
+    """Sorted, distinct layer numbers: 0 is the embedding, ``i`` the output of layer ``i``.
+
+    ``None``/``"all"`` is every decoder layer (1..n); ``"embed"`` adds the embedding;
+    negative numbers count from the end (-1 is layer n).
+    """
+    if layers is None or layers == "all":
+        return tuple(range(1, n_layers + 1))
+    picked = set()
+    for layer in _as_list(list(layers) if isinstance(layers, range) else layers):
+        if layer == "embed":
+            picked.add(0)
+            continue
+        if layer == "all":
+            picked.update(range(1, n_layers + 1))
+            continue
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise InvalidRequest(f"a layer is an integer, 'embed' or 'all', not {layer!r}")
+        number = layer + n_layers + 1 if layer < 0 else layer
+        if not 0 <= number <= n_layers:
+            raise InvalidRequest(
+                f"layer {layer} does not exist: the model has {n_layers} layers "
+                f"(0 = embedding, 1..{n_layers}; negative numbers count back from {n_layers})"
+            )
+        picked.add(number)
+    if not picked:
+        raise InvalidRequest("no layers picked")
+    return tuple(sorted(picked))
+
+
+def _positions(positions: Any, length: int) -> tuple[int, ...] | None:
+    if positions is None:
+        return None
+    picked = set()
+    for pos in _as_list(list(positions) if isinstance(positions, range) else positions):
+        if isinstance(pos, bool) or not isinstance(pos, int) or not -length <= pos < length:
+            raise InvalidRequest(
+                f"position {pos!r} is outside the prompt: it has {length} tokens "
+                f"(0..{length - 1}, or -{length}..-1 from the end)"
+            )
+        picked.add(pos % length)
+    if not picked:
+        raise InvalidRequest("no positions picked")
+    return tuple(sorted(picked))
+
+
+def _target(tokenizer: Any, vocab: int, target: Any) -> Target:
+    """A target token: an id, or the first token of a string's tokenization."""
+    if isinstance(target, bool) or not isinstance(target, (str, int)):
+        raise InvalidRequest(f"a target is a string or a token id, not {type(target).__name__}")
+    if isinstance(target, int):
+        if not 0 <= target < vocab:
+            raise InvalidRequest(
+                f"target token id {target} is outside the vocabulary 0..{vocab - 1}"
+            )
+        return Target(label=str(target), token_id=target, token=tokenizer.decode([target]))
+    ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise InvalidRequest(f"target {target!r} tokenizes to nothing: give a non-empty token")
+    return Target(label=target, token_id=ids[0], token=tokenizer.decode([ids[0]]))
+
+
+def describe_target(tokenizer: Any, text: str) -> list[str]:
+    """How ``text`` tokenizes, token by token (the lens uses the first)."""
+    return [tokenizer.decode([i]) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]

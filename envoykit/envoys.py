@@ -82,6 +82,15 @@ class EnvoykitVLLM(VLLM):
             self._envoys_map.update(dict.fromkeys(sharded_paths(meta_model), ShardedEnvoy))
         return meta_model
 
+    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+        """nnsight's call without vLLM's per-call progress bars (two per lens in a notebook)."""
+        mediators = self._attach_mediators(params, **kwargs)
+        outputs = self.vllm_entrypoint.generate(
+            prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
+        )
+        self._collect(mediators, outputs)
+        return outputs
+
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:
         """Re-raise envoykit's own errors from the ranks as themselves.

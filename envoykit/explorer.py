@@ -93,7 +93,8 @@ def _json_grid(values: np.ndarray) -> list:
 
 
 def heatmap_data(res: LensResult) -> dict[str, Any]:
-    """What the heatmap view draws: labels, the top-k of every cell and one grid per metric.
+    """What the heatmap view draws: labels, the top-k ids of every cell (their text in
+    ``vocab``) and one grid per metric.
 
     Every metric's grid is sent at once, so switching the metric needs no round trip.
     """
@@ -116,7 +117,8 @@ def heatmap_data(res: LensResult) -> dict[str, Any]:
         "layer_labels": res.layer_labels,
         "tokens": list(res.tokens),
         "top_ids": res.top_ids.tolist(),
-        "top_tokens": res.top_tokens.astype(str).tolist(),
+        # Each distinct token once (by id), not once per cell: a tenth of the bytes at k=10.
+        "vocab": {str(int(i)): str(t) for i, t in zip(res.top_ids.flat, res.top_tokens.flat)},
         "top_probs": _json_grid(res.top_probs),
         "grids": grids,
     }
@@ -234,7 +236,7 @@ class LensExplorer(widgets.VBox):
             ]
         )
         self._on_targets()
-        if metric in dict((v, k) for k, v in self.metric.options):
+        if metric in self._metric_keys():
             self.metric.value = metric
         if readonly:
             self._show()
@@ -325,10 +327,11 @@ class LensExplorer(widgets.VBox):
         self.heatmap.data = heatmap_data(shown)
         value = self.metric.value
         self.metric.options = self._metric_options()
-        self.metric.value = (
-            value if value in dict((v, k) for k, v in self.metric.options) else "prob"
-        )
+        self.metric.value = value if value in self._metric_keys() else "prob"
         self._draw_trajectory()
+
+    def _metric_keys(self) -> list[str]:
+        return [key for _, key in self.metric.options]
 
     def _metric_options(self) -> list[tuple[str, str]]:
         options = [(name, key) for key, name in METRIC_NAMES.items()]
@@ -479,8 +482,9 @@ def standalone_html(res: LensResult, metric: str = "prob") -> str:
 <style>body {{ font: 13px sans-serif; margin: 16px; }}
 {_asset("explorer.css")}</style></head>
 <body><h3>Logit lens of <code>{html.escape(repr(res.prompt))}</code></h3>
-<p>{html.escape(str(res.meta.get("model", "")))} · metric <select id="ek-metric">{options}</select>
-· hover a cell for its top-{res.top_ids.shape[-1]}, click it to keep the tooltip open</p>
+<p>{html.escape(str(res.meta.get("model", "stored result")))} ·
+metric <select id="ek-metric">{options}</select> ·
+hover a cell for its top-{res.top_ids.shape[-1]}, click it to keep the tooltip open</p>
 <div id="ek-root"></div>
 <script type="module">
 const state = {{ data: {script_json(data)}, metric: {script_json(metric)}, selected: null,

@@ -9,6 +9,7 @@ Screenshots land in ``artifacts/``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import secrets
@@ -262,7 +263,22 @@ def _children(pid: int) -> list[psutil.Process]:
     return process.children(recursive=True) if process else []
 
 
-def test_explorer_in_jupyterlab(browser, tmp_path):
+@pytest.fixture
+def engines_paused() -> Iterator[None]:
+    """Close this process's engines (the session fixtures) while the kernel runs its own.
+
+    The machine has room for one engine at a time; the paused ones restart afterwards with
+    the same settings, so later tests find them as they were.
+    """
+    live = [obj for obj in gc.get_objects() if isinstance(obj, ek.Engine) and not obj.closed]
+    for engine in live:
+        engine.close()
+    yield
+    for engine in live:
+        engine.restart()
+
+
+def test_explorer_in_jupyterlab(browser, tmp_path, engines_paused):
     work = tmp_path / "work"
     work.mkdir()
     state_path = tmp_path / "state.json"
@@ -277,7 +293,7 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
     timings = {}
     started = time.monotonic()
     lab = Lab(tmp_path)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
     kernel_tree: list[psutil.Process] = []
     try:
         timings["lab"] = time.monotonic() - started
@@ -340,6 +356,9 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         )
         timings["hover + select + pin"] = time.monotonic() - t
 
+        page.locator(".widget-textarea textarea").evaluate(
+            "el => el.scrollIntoView({block: 'start'})"
+        )
         hover_cell(page, layer, position)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "explorer_jupyterlab.png"), full_page=True)

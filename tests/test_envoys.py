@@ -27,7 +27,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def unembed_layer(engine: ek.Engine, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``unembedding(norm(hidden, residual))`` after decoder layer ``layer`` (1-based), and logits."""
+    """``unembed(norm(hidden, residual))`` after decoder layer ``layer`` (1-based); logits."""
     layers = _at(engine.model, engine.layers_path)
     norm = _at(engine.model, engine.final_norm_path)
     head = _at(engine.model, engine.unembedding_path)
@@ -144,7 +144,7 @@ class TestCheckpointOrderEdits:
 
     def test_zeroing_up_half_is_identical_at_tp1_and_tp2(self, tiny_engines):
         clean1, edited1 = logits_with_up_zeroed(tiny_engines[1])
-        clean2, edited2 = logits_with_up_zeroed(tiny_engines[2])
+        _, edited2 = logits_with_up_zeroed(tiny_engines[2])
         assert relative(edited1, clean1) > 1e-3  # the edit did something
         assert relative(edited2, edited1) <= 1e-5
 
@@ -159,9 +159,8 @@ class TestShardGuard:
         assert tiny2.generate(PROMPT, 2)  # the engine answers the next request
 
     def test_act_fn_write_refused_at_tp2(self, tiny2):
-        with pytest.raises(ek.ShardedValue, match=r"act_fn\.output"):
-            with tiny2.trace(PROMPT):
-                tiny2.model.model.layers[0].mlp.act_fn.output = torch.zeros(7, 256)
+        with pytest.raises(ek.ShardedValue, match=r"act_fn\.output"), tiny2.trace(PROMPT):
+            tiny2.model.model.layers[0].mlp.act_fn.output = torch.zeros(7, 256)
 
     def test_act_fn_served_at_tp1(self, tiny1):
         with tiny1.trace(PROMPT):
@@ -169,9 +168,8 @@ class TestShardGuard:
         assert value.shape == (len(tiny1.tokenizer(PROMPT)["input_ids"]), 256)
 
     def test_attention_kernel_refused_at_tp2(self, tiny2):
-        with pytest.raises(ek.ShardedValue, match=r"self_attn\.attn"):
-            with tiny2.trace(PROMPT):
-                tiny2.model.model.layers[0].self_attn.attn.output.save()
+        with pytest.raises(ek.ShardedValue, match=r"self_attn\.attn"), tiny2.trace(PROMPT):
+            tiny2.model.model.layers[0].self_attn.attn.output.save()
 
 
 class TestLocations:

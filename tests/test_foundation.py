@@ -25,7 +25,19 @@ def shm_files() -> set[str]:
 
 
 def children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """Live descendants, less Python's own shared-memory resource tracker (one per process,
+    started on first use and kept for the life of the process by design)."""
+    found = set()
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "resource_tracker" in " ".join(process.cmdline()):
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        found.add(process.pid)
+    return found
 
 
 class TestEngine:
@@ -117,7 +129,10 @@ class TestLifecycle:
             """
         )
         owner = subprocess.Popen(
-            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         line = owner.stdout.readline()
         assert line.startswith("READY"), line

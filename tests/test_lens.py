@@ -1,7 +1,10 @@
 """The logit lens against an independent reference: plain transformers in float32.
 
-Tolerances: top-1 per layer x position identical, top-k sets equal, probabilities, entropy
-and KL within 1e-4 (absolute); the last layer equals the model's own logits exactly.
+Tolerances: top-1 per layer x position identical, top-k sets equal (up to ties within the
+tolerance at the k-th place), probabilities and entropy within 1e-4 absolute, KL within 1e-4
+absolute or relative (early layers sit ~100 nats from the final distribution on the demo
+model, where float32 sums over 49k logits differ by ~3e-5 relative); the last layer equals
+the model's own logits exactly.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def assert_matches_reference(res: ek.LensResult, ref: dict) -> None:
                 assert np.all(np.abs(res.top_probs[li, pi, -2:] - edge) <= TOL)
     np.testing.assert_allclose(res.top_probs, ref["top_probs"][rows], atol=TOL)
     np.testing.assert_allclose(res.entropy, ref["entropy"][rows], atol=TOL)
-    np.testing.assert_allclose(res.kl, ref["kl"][rows], atol=TOL)
+    np.testing.assert_allclose(res.kl, ref["kl"][rows], atol=TOL, rtol=TOL)
     np.testing.assert_allclose(res.target_probs, ref["target_probs"][rows], atol=TOL)
     np.testing.assert_array_equal(res.target_ranks, ref["target_ranks"][rows])
 
@@ -112,7 +115,9 @@ class TestRequestShapes:
         assert res.positions.tolist() == [0, len(tiny2.tokenizer(PROMPT)["input_ids"]) - 1]
         assert res.top_ids.shape == (3, 2, 3)
         full = tiny2.lens(PROMPT, layers="all", top_k=3)
-        np.testing.assert_allclose(res.top_probs, full.select([1, 3, 4], [0, -1]).top_probs, atol=1e-6)
+        np.testing.assert_allclose(
+            res.top_probs, full.select([1, 3, 4], [0, -1]).top_probs, atol=1e-6
+        )
 
     def test_several_prompts_one_result_each(self, tiny2):
         prompts = ["The cat sat", "One two three four five"]

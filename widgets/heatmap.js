@@ -7,7 +7,7 @@
 const CELL_W = 52;
 const CELL_H = 20;
 const LEFT = 52; // room for the layer labels
-const BOTTOM = 64; // room for the token labels
+const BOTTOM = 56; // room for the token labels
 const MAX_HEIGHT = 520;
 
 // A few stops of the matplotlib colour maps the static heatmap uses.
@@ -139,7 +139,7 @@ function render({ model, el }) {
         ctx.fillStyle = c.fill;
         ctx.fillRect(x, y, CELL_W - 1, CELL_H - 1);
         ctx.fillStyle = c.text;
-        ctx.fillText(fit(ctx, String(d.top_tokens[l][p][0]), CELL_W - 4), x + CELL_W / 2, y + CELL_H / 2);
+        ctx.fillText(fit(ctx, d.vocab[d.top_ids[l][p][0]], CELL_W - 4), x + CELL_W / 2, y + CELL_H / 2);
         drawn++;
       }
     }
@@ -186,12 +186,12 @@ function render({ model, el }) {
     const [l, p] = cell;
     const g = grid();
     const v = g ? g.values[l][p] : null;
-    const rows = d.top_tokens[l][p]
+    const rows = d.top_ids[l][p]
       .map(
-        (tok, i) =>
-          `<tr><td>${i + 1}</td><td><button class="ek-token" data-id="${d.top_ids[l][p][i]}" ` +
-          `data-token="${encodeURIComponent(tok)}" data-prob="${d.top_probs[l][p][i]}" ` +
-          `title="pin as target">${escapeHtml(show(tok))}</button></td>` +
+        (id, i) =>
+          `<tr><td>${i + 1}</td><td><button class="ek-token" data-id="${id}" ` +
+          `data-token="${encodeURIComponent(d.vocab[id])}" data-prob="${d.top_probs[l][p][i]}" ` +
+          `title="pin as target">${escapeHtml(show(d.vocab[id]))}</button></td>` +
           `<td>${Number(d.top_probs[l][p][i]).toFixed(4)}</td></tr>`,
       )
       .join("");

@@ -7,6 +7,7 @@ and return whole tensors; a logit lens runs on the ranks and ships back only wha
 from envoykit import plot
 from envoykit.engine import Engine, ModelInfo
 from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest, ShardedValue
+from envoykit.explorer import LensExplorer
 from envoykit.result import LensResult, TargetTrace
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "EngineDead",
     "EnvoykitError",
     "InvalidRequest",
+    "LensExplorer",
     "LensResult",
     "ModelInfo",
     "ShardedValue",

@@ -10,6 +10,7 @@ with the owning process if it is killed (see `envoykit.lifeline`).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import weakref
@@ -24,6 +25,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Enough KV cache for a few prompts of max_model_len tokens on the built-in models.
 _DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 _DEFAULT_MAX_MODEL_LEN = 1024
+_SHM = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Engine:
         from tqdm.auto import tqdm
 
         started = time.perf_counter()
+        already_running, shm_before = _descendants(), _shm_segments()
         steps = tqdm(total=3, desc=f"{self._source.name}: preparing", disable=not self._progress)
         self.log_file, log_env = logs.configure(models.cache_dir() / "logs", self._log_level)
         workers = platform.worker_module(self._platform)
@@ -156,7 +159,9 @@ class Engine:
             )
             steps.update()
         self._llm = llm
-        self._finalizer = weakref.finalize(self, _shutdown, llm)
+        processes = _descendants() - already_running
+        segments = _shm_segments() - shm_before
+        self._finalizer = weakref.finalize(self, _shutdown, llm, processes, segments)
         self._find_paths(llm._module)
         steps.set_description(f"{self._source.name}: ready")
         steps.update()
@@ -332,7 +337,7 @@ class Engine:
             except KeyboardInterrupt:
                 unfinished = list(engine.output_processor.request_states)
                 if unfinished:
-                    engine.abort_request(unfinished)
+                    engine.abort_request(unfinished, internal=True)
                 raise
 
     def __reduce__(self) -> tuple:
@@ -353,8 +358,49 @@ class _OnRank:
         self.tokenizer = model.tokenizer
 
 
-def _shutdown(llm: Any) -> None:
-    """Shut the engine core down; it stops the ranks and unlinks their shared memory."""
+def _descendants() -> set[Any]:
+    """This process's live descendants, less Python's shared-memory resource tracker (one per
+    process, shared by every engine, kept for the life of the process by design)."""
+    import psutil
+
+    found = set()
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "resource_tracker" not in " ".join(process.cmdline()):
+                found.add(process)
+    return found
+
+
+def _shm_segments() -> set[str]:
+    return set(os.listdir(_SHM)) if os.path.isdir(_SHM) else set()
+
+
+def _shutdown(llm: Any, processes: set[Any], segments: set[str]) -> None:
+    """Shut the engine core down, then make sure every process and segment it made is gone.
+
+    vLLM's shutdown asks the engine core to stop its ranks and unlink their shared memory,
+    but returns after a grace period with the core force-killed (unreaped) and ranks still
+    exiting, and a force-killed process never unlinks its segments (Python's resource
+    tracker would, but only when this whole process exits). Waiting for each process,
+    killing what outlives a second grace period, then unlinking the segments that appeared
+    while this engine started means ``close()`` returning implies nothing is left.
+    """
+    import psutil
+
     entry = getattr(llm, "vllm_entrypoint", None)
     if entry is not None:
-        entry.llm_engine.engine_core.shutdown()
+        with contextlib.suppress(Exception):  # a dead engine core has nothing left to stop
+            entry.llm_engine.engine_core.shutdown()
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
+    from multiprocessing import resource_tracker
+
+    for name in segments & _shm_segments():
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(_SHM, name))
+            # The segment was registered with this process's tracker by the rank that made
+            # it; unregistered, the tracker will not warn about it (or unlink it) at exit.
+            resource_tracker.unregister(f"/{name}", "shared_memory")

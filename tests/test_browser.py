@@ -72,9 +72,9 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
 
 def hover_cell(page: Any, layer: int, position: int) -> dict[str, Any]:
     """Move the mouse over a heatmap cell; the tooltip's rows as the page shows them."""
-    point = page.locator(".ek-heatmap").evaluate(
-        "(root, [l, p]) => root.ekCellCenter(l, p)", [layer, position]
-    )
+    heatmap = page.locator(".ek-heatmap")
+    heatmap.evaluate("root => root.scrollIntoView({block: 'center'})")
+    point = heatmap.evaluate("(root, [l, p]) => root.ekCellCenter(l, p)", [layer, position])
     page.mouse.move(point["x"], point["y"])
     tip = page.locator(".ek-tooltip")
     tip.wait_for(state="visible", timeout=5000)
@@ -373,6 +373,11 @@ def test_explorer_in_jupyterlab(browser, tmp_path, engines_paused):
         )
         wait_for((tmp_path / "closed").exists, 60, "the engine to close")
         timings["close"] = time.monotonic() - t
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "explorer_jupyterlab_failure.png"))
+        (ARTIFACTS / "explorer_jupyterlab_failure.json").write_text(json.dumps(state()))
+        raise
     finally:
         page.close()
         lab.stop()

@@ -9,7 +9,6 @@ Screenshots land in ``artifacts/``.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import secrets
@@ -263,22 +262,7 @@ def _children(pid: int) -> list[psutil.Process]:
     return process.children(recursive=True) if process else []
 
 
-@pytest.fixture
-def engines_paused() -> Iterator[None]:
-    """Close this process's engines (the session fixtures) while the kernel runs its own.
-
-    The machine has room for one engine at a time; the paused ones restart afterwards with
-    the same settings, so later tests find them as they were.
-    """
-    live = [obj for obj in gc.get_objects() if isinstance(obj, ek.Engine) and not obj.closed]
-    for engine in live:
-        engine.close()
-    yield
-    for engine in live:
-        engine.restart()
-
-
-def test_explorer_in_jupyterlab(browser, tmp_path, engines_paused):
+def test_explorer_in_jupyterlab(browser, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     state_path = tmp_path / "state.json"

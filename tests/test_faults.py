@@ -86,13 +86,13 @@ def test_interrupt_during_lens_leaves_engine_usable(tiny2):
 
 
 def test_repeated_open_close_leaks_nothing():
-    """Three open/close cycles (twenty run in bench/soak.py): no process, file or thread left."""
+    """Two open/close cycles (more run in bench/soak.py): no process, file or thread left."""
     me = psutil.Process()
     children_before = children()
     shm_before = set(os.listdir("/dev/shm"))
     threads_before = threading.active_count()
     rss = []
-    for _ in range(3):
+    for _ in range(2):
         with start("tiny", 2) as engine:
             engine.lens(PROMPT, top_k=2)
         rss.append(me.memory_info().rss)

@@ -7,7 +7,6 @@ and return whole tensors; a logit lens runs on the ranks and ships back only wha
 from envoykit import plot
 from envoykit.engine import Engine, ModelInfo
 from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest, ShardedValue
-from envoykit.explorer import LensExplorer
 from envoykit.result import LensResult, TargetTrace
 
 __all__ = [
@@ -23,3 +22,13 @@ __all__ = [
     "plot",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The widget needs the `notebooks` extra (ipywidgets, anywidget): imported on first use,
+    # so `import envoykit` works without it.
+    if name == "LensExplorer":
+        from envoykit.explorer import LensExplorer
+
+        return LensExplorer
+    raise AttributeError(f"module 'envoykit' has no attribute {name!r}")

@@ -7,6 +7,7 @@ script's entry point provides it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -90,6 +91,8 @@ def _lab(args: argparse.Namespace) -> int:
         sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", "--ip=127.0.0.1",
         f"--port={args.port}", "--no-browser", f"--IdentityProvider.token={token}",
     ]  # fmt: skip
+    if os.geteuid() == 0:  # containers often run as root; JupyterLab refuses without this
+        command.append("--allow-root")
     return subprocess.call(command)
 
 

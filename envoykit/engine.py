@@ -98,7 +98,7 @@ class Engine:
         *,
         dtype: str = "auto",
         max_model_len: int | None = None,
-        log_level: str = "WARNING",
+        log_level: str = "ERROR",
         progress: bool = True,
         **engine_kwargs: Any,
     ) -> None:
@@ -106,6 +106,9 @@ class Engine:
 
         ``dtype="auto"`` is float32 on CPU (numerics comparable with a float32 reference;
         bfloat16 is 1.5-2x faster and may be asked for) and the checkpoint's dtype on GPU.
+        ``log_level`` is what vLLM may print on screen (everything from INFO up goes to
+        ``engine.log_file``); its warnings on this backend are notes about the set-up
+        (eager mode, no Triton, no tcmalloc), about twenty per start, hence ERROR.
         ``engine_kwargs`` go to ``vllm.LLM`` unchanged.
         """
         if dtype not in DTYPES:
@@ -136,7 +139,7 @@ class Engine:
         from tqdm.auto import tqdm
 
         started = time.perf_counter()
-        already_running, shm_before = _descendants(), _shm_segments()
+        already_running = _descendants()
         steps = tqdm(total=3, desc=f"{self._source.name}: preparing", disable=not self._progress)
         self.log_file, log_env = logs.configure(models.cache_dir() / "logs", self._log_level)
         workers = platform.worker_module(self._platform)
@@ -160,8 +163,7 @@ class Engine:
             steps.update()
         self._llm = llm
         processes = _descendants() - already_running
-        segments = _shm_segments() - shm_before
-        self._finalizer = weakref.finalize(self, _shutdown, llm, processes, segments)
+        self._finalizer = weakref.finalize(self, _shutdown, llm, processes)
         self._find_paths(llm._module)
         steps.set_description(f"{self._source.name}: ready")
         steps.update()
@@ -371,22 +373,36 @@ def _descendants() -> set[Any]:
     return found
 
 
-def _shm_segments() -> set[str]:
-    return set(os.listdir(_SHM)) if os.path.isdir(_SHM) else set()
+def _mapped_segments(processes: set[Any]) -> set[str]:
+    """Shared-memory segments the engine's own processes have mapped.
+
+    Asked of the processes rather than read off a before/after listing of /dev/shm, which
+    would also catch the segments of an engine another kernel started at the same time.
+    """
+    found = set()
+    for process in processes:
+        with contextlib.suppress(OSError), open(f"/proc/{process.pid}/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                name = os.path.basename(path)
+                if path.startswith(f"{_SHM}/") and not name.startswith("sem."):
+                    found.add(name)
+    return found
 
 
-def _shutdown(llm: Any, processes: set[Any], segments: set[str]) -> None:
+def _shutdown(llm: Any, processes: set[Any]) -> None:
     """Shut the engine core down, then make sure every process and segment it made is gone.
 
     vLLM's shutdown asks the engine core to stop its ranks and unlink their shared memory,
     but returns after a grace period with the core force-killed (unreaped) and ranks still
     exiting, and a force-killed process never unlinks its segments (Python's resource
     tracker would, but only when this whole process exits). Waiting for each process,
-    killing what outlives a second grace period, then unlinking the segments that appeared
-    while this engine started means ``close()`` returning implies nothing is left.
+    killing what outlives a second grace period, then unlinking the segments they had mapped
+    means ``close()`` returning implies nothing is left.
     """
     import psutil
 
+    segments = _mapped_segments(processes)
     entry = getattr(llm, "vllm_entrypoint", None)
     if entry is not None:
         with contextlib.suppress(Exception):  # a dead engine core has nothing left to stop
@@ -398,7 +414,7 @@ def _shutdown(llm: Any, processes: set[Any], segments: set[str]) -> None:
     psutil.wait_procs(alive, timeout=5)
     from multiprocessing import resource_tracker
 
-    for name in segments & _shm_segments():
+    for name in segments:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(_SHM, name))
             # The segment was registered with this process's tracker by the rank that made

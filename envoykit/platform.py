@@ -58,9 +58,11 @@ def rank_environment(platform: str, tp: int) -> dict[str, str]:
     return {
         "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp)),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        # Every all-gather on the CPU backend warns about a deprecated torch call, once per
-        # rank and call site; in a notebook that buries the output.
-        "PYTHONWARNINGS": "ignore:`torch.distributed.all_gather_into_tensor` is deprecated",
+        # Deprecation notices from torch and vLLM internals (every all-gather warns once per
+        # rank and call site) and torch's C++ NUMA notices say nothing a user can act on;
+        # in a notebook they bury the output.
+        "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
     }
 
 

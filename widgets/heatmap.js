@@ -45,19 +45,19 @@ function fit(ctx, text, width) {
   return cut + "…";
 }
 
+function element(tag, className) {
+  const node = document.createElement(tag);
+  node.className = className;
+  return node;
+}
+
 function render({ model, el }) {
-  const root = document.createElement("div");
-  root.className = "ek-heatmap";
-  const legend = document.createElement("div");
-  legend.className = "ek-legend";
-  const scroller = document.createElement("div");
-  scroller.className = "ek-scroller";
-  const spacer = document.createElement("div");
-  spacer.className = "ek-spacer";
-  const canvas = document.createElement("canvas");
-  canvas.className = "ek-canvas";
-  const tip = document.createElement("div");
-  tip.className = "ek-tooltip";
+  const root = element("div", "ek-heatmap");
+  const legend = element("div", "ek-legend");
+  const scroller = element("div", "ek-scroller");
+  const spacer = element("div", "ek-spacer");
+  const canvas = element("canvas", "ek-canvas");
+  const tip = element("div", "ek-tooltip");
   tip.hidden = true;
   spacer.append(canvas);
   scroller.append(spacer);

@@ -290,24 +290,26 @@ class LensExplorer(widgets.VBox):
         self.run_button.disabled = True
         self.run_button.description = "Running…"
         self.status.value = f"<i>⏳ running the lens on {html.escape(self.engine.info.name)}…</i>"
+        # The button comes back only once everything below is drawn: enabled means done.
         try:
-            result = self.engine.lens(**request)
-        except EnvoykitError as err:
-            self._say(str(err), True)
-            self.status.value = ""
-            return None
+            try:
+                result = self.engine.lens(**request)
+            except EnvoykitError as err:
+                self._say(str(err), True)
+                self.status.value = ""
+                return None
+            self._request = request
+            self.result = result
+            self._say("")
+            self.status.value = (
+                f"{len(result.layers)} layers × {len(result.positions)} positions, "
+                f"top-{result.top_ids.shape[-1]}"
+            )
+            self._show()
+            return result
         finally:
             self.run_button.disabled = False
             self.run_button.description = "Run"
-        self._request = request
-        self.result = result
-        self._say("")
-        self.status.value = (
-            f"{len(result.layers)} layers × {len(result.positions)} positions, "
-            f"top-{result.top_ids.shape[-1]}"
-        )
-        self._show()
-        return result
 
     def _shown(self) -> LensResult | None:
         """The result restricted, when read-only, to the layers picked in the layer picker."""

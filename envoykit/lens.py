@@ -58,10 +58,9 @@ def lens_statistics(
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
         logits = head(torch.cat(chunk, dim=0)).to(dtype)
-        # In place: the [rows, vocab] tensors dominate the lens's time on a CPU rank.
-        logp = logits.sub_(logits.logsumexp(-1, keepdim=True)).unflatten(0, (len(chunk), n_pos))
+        logp = torch.log_softmax(logits, dim=-1).unflatten(0, (len(chunk), n_pos))
         if final_logp is None:
-            final_logp = logp[-1].clone()
+            final_logp = logp[-1]
         pieces.append(_reduce(logp, final_logp, top_k, targets))
     pieces.reverse()
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
@@ -79,11 +78,10 @@ def _reduce(
 ) -> dict[str, torch.Tensor]:
     """Top-k, entropy, KL(final || layer) and target statistics of ``[layers, pos, vocab]``."""
     top_logp, top_ids = logp.topk(top_k, dim=-1)
-    # Dot products over the vocabulary, without a [layers, positions, vocab] temporary each.
-    entropy = -torch.linalg.vecdot(logp.exp(), logp)
+    probs = logp.exp()
+    entropy = -(probs * logp).sum(-1)
     final_p = final_logp.exp()
-    cross = torch.einsum("lpv,pv->lp", logp, final_p)
-    kl = (torch.linalg.vecdot(final_p, final_logp) - cross).clamp_min(0.0)
+    kl = (final_p * (final_logp - logp)).sum(-1).clamp_min(0.0)
     ids = torch.tensor(list(targets), dtype=torch.long)
     target_logp = logp[..., ids]
     ranks = [(logp > target_logp[..., i : i + 1]).sum(-1) for i in range(len(ids))]

@@ -305,7 +305,8 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         run_button.click()
         wait_for(lambda: state().get("result"), 120, "the lens result in the kernel")
         page.wait_for_selector(".ek-heatmap[data-drawn]", timeout=30000)
-        assert run_button.is_enabled()
+        # Enabled again means the kernel has finished the whole Run (result, heatmap, plot).
+        wait_for(run_button.is_enabled, 60, "the Run button to come back")
         timings["run"] = time.monotonic() - t
 
         t = time.monotonic()

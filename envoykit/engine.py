@@ -304,21 +304,19 @@ class Engine:
 
     def generate(self, prompt: str, max_tokens: int = 16) -> str:
         """Greedy continuation of ``prompt`` (plain vLLM generation, no interventions)."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        with self._request():
-            outputs = self.model.vllm_entrypoint.generate([prompt], params, use_tqdm=False)
-        return outputs[0].outputs[0].text
+        return self._greedy(prompt, max_tokens).text
 
     def generate_ids(self, prompt: str, max_tokens: int = 16) -> list[int]:
         """Token ids of the greedy continuation of ``prompt``."""
+        return list(self._greedy(prompt, max_tokens).token_ids)
+
+    def _greedy(self, prompt: str, max_tokens: int) -> Any:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         with self._request():
             outputs = self.model.vllm_entrypoint.generate([prompt], params, use_tqdm=False)
-        return list(outputs[0].outputs[0].token_ids)
+        return outputs[0].outputs[0]
 
     @contextlib.contextmanager
     def _request(self) -> Iterator[None]:

@@ -40,7 +40,6 @@ class ModelSource:
 
     name: str
     path: str
-    builtin: bool
 
 
 def _build_tiny(out: Path, *, tie: bool = False, softcap: float | None = None) -> None:
@@ -175,19 +174,19 @@ def resolve(model: str | os.PathLike) -> ModelSource:
     """Turn what the user typed into a checkpoint vLLM can load, or explain what is valid."""
     text = str(model)
     if text in BUILTINS:
-        return ModelSource(text, str(prepare(text)), builtin=True)
+        return ModelSource(text, str(prepare(text)))
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise InvalidRequest(f"{path} is a directory but holds no config.json")
-        return ModelSource(path.name, str(path.resolve()), builtin=False)
+        return ModelSource(path.name, str(path.resolve()))
     looks_like_path = text.startswith(("/", ".", "~")) or (os.sep in text and path.suffix)
     if looks_like_path or text.count("/") != 1:
         raise InvalidRequest(
             f"unknown model {text!r}: use a built-in ({', '.join(BUILTINS)}), "
             "a local Hugging Face checkpoint directory, or a hub id 'org/name'"
         )
-    return ModelSource(text, text, builtin=False)
+    return ModelSource(text, text)
 
 
 def read_config(source: ModelSource) -> dict:

@@ -4,10 +4,15 @@ Compares, on the same model and prompt:
   * envoykit's lens at TP=1 and TP=N (one forward, one stacked unembedding, reduced on ranks);
   * the same lens written with nnsight's LanguageModel on plain transformers (float32, all
     cores), the tool a researcher would otherwise use — written carefully: one forward with
-    hooks, every layer through lm_head in one GEMM, top-k reduced inside the trace;
+    hooks, every layer through lm_head in one GEMM, and the same statistics (top-k, entropy,
+    KL to the final layer, the target's probability and rank) reduced inside the trace;
   * plain greedy generation of one token on the same engine, and one stand-alone matmul of
-    the lens's size on one core (what a rank has), as the floor the lens is held to;
+    the lens's size on the cores a TP=1 rank is bound to, as the floor the lens is held to;
   * bytes the lens returns vs the full-vocab logits it would otherwise ship.
+
+The ranks allocate large tensors on transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, see
+``envoykit/platform.py``); this process sets the same before torch loads, so the transformers
+lens and the matmul get the same allocator.
 
     python bench/lens.py --model demo --tp 3 --repeats 5
 """
@@ -15,13 +20,18 @@ Compares, on the same model and prompt:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates anything
 
 import torch
 
 import envoykit as ek
+from envoykit.platform import core_binding, usable_cpus
 
+TARGET = " Paris"
 PROMPT = "The capital of France is a city with a long history, and its name is"
 
 
@@ -35,37 +45,42 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def nnsight_transformers_lens(path: str, top_k: int):
+def nnsight_transformers_lens(path: str, top_k: int, target: str):
     """The same lens with nnsight's LanguageModel on plain transformers."""
     from nnsight import LanguageModel
 
     model = LanguageModel(path, device_map="cpu", dtype=torch.float32, dispatch=True)
+    target_id = model.tokenizer(target, add_special_tokens=False).input_ids[0]
 
     def run():
         with model.trace(PROMPT):
-            layers = model.model.layers
-            outputs = [layer.output for layer in layers]
+            outputs = [layer.output for layer in model.model.layers]
             stacked = torch.stack([o[0] if isinstance(o, tuple) else o for o in outputs])
             logits = model.lm_head(model.model.norm(stacked)).float()
             logp = torch.log_softmax(logits, dim=-1)
             top = logp.topk(top_k, dim=-1)
             probs = top.values.exp().save()
             entropy = (-(logp.exp() * logp).sum(-1)).save()
-        return probs, entropy
+            final = logp[-1]
+            kl = (final.exp() * (final - logp)).sum(-1).save()
+            target_logp = logp[..., target_id : target_id + 1]
+            target_prob = target_logp.exp().save()
+            target_rank = (logp > target_logp).sum(-1).save()
+        return probs, entropy, kl, target_prob, target_rank
 
     return run
 
 
-def one_core_matmul(rows: int, d_model: int, vocab: int):
+def matmul(rows: int, d_model: int, vocab: int, threads: int):
     a, b = torch.randn(rows, d_model), torch.randn(d_model, vocab)
 
     def run():
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
         try:
             a @ b
         finally:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(previous)
 
     return run
 
@@ -85,7 +100,7 @@ def main() -> None:
         with ek.Engine(args.model, tp, progress=False) as engine:
             tp = engine.info.tp
             info = engine.info
-            lens = lambda: engine.lens(PROMPT, top_k=args.top_k, targets=[" Paris"])  # noqa: E731
+            lens = lambda: engine.lens(PROMPT, top_k=args.top_k, targets=[TARGET])  # noqa: E731
             rows[f"envoykit lens, TP={tp}"] = median_seconds(lens, args.repeats)
             rows[f"generate 1 token, TP={tp}"] = median_seconds(
                 lambda: engine.generate(PROMPT, 1), args.repeats
@@ -100,11 +115,11 @@ def main() -> None:
             sizes.append((n_layers * n_pos, info.d_model, info.vocab))
         if args.tp == 1:
             break
-    rows["one-core matmul of the lens's size"] = median_seconds(
-        one_core_matmul(*sizes[0]), args.repeats
-    )
+    rank_cores = len(core_binding(usable_cpus(), 1).split(","))
+    matmul_row = f"matmul of the lens's size, {rank_cores} threads"
+    rows[matmul_row] = median_seconds(matmul(*sizes[0], rank_cores), args.repeats)
     rows["nnsight + transformers lens"] = median_seconds(
-        nnsight_transformers_lens(info.path, args.top_k), args.repeats
+        nnsight_transformers_lens(info.path, args.top_k, TARGET), args.repeats
     )
 
     print(
@@ -114,7 +129,7 @@ def main() -> None:
     for name, seconds in rows.items():
         print(f"  {name:<40} {seconds * 1000:9.1f} ms")
     hf = rows["nnsight + transformers lens"]
-    floor = rows["generate 1 token, TP=1"] + rows["one-core matmul of the lens's size"]
+    floor = rows["generate 1 token, TP=1"] + rows[matmul_row]
     print("ratios")
     for size in sorted({1, tp}):
         ours = rows[f"envoykit lens, TP={size}"]

@@ -14,6 +14,7 @@ import argparse
 import os
 import random
 import signal
+import threading
 import time
 
 import psutil
@@ -58,12 +59,13 @@ def main() -> None:
     counts = dict(served=0, refused_as_expected=0, engine_dead_as_expected=0, unexpected=0)
     shm_before = set(os.listdir("/dev/shm"))
     me = psutil.Process()
+    threads_before = threading.active_count()
     kill_at = args.requests // 2
     started = time.perf_counter()
     with ek.Engine(args.model, args.tp, progress=False) as engine:
         for i in range(args.requests):
             if i == kill_at:
-                rank = next(p for p in me.children(recursive=True) if "Worker_TP" in p.name())
+                rank = next(p for p in engine.processes if "Worker_TP" in p.name())
                 rank.send_signal(signal.SIGKILL)
                 killed = time.perf_counter()
                 try:
@@ -102,6 +104,7 @@ def main() -> None:
         f"RSS {rss[0] / 2**20:.0f} -> {rss[-1] / 2**20:.0f} MiB"
     )
     print(f"  leaked processes           {len(leaked)}")
+    print(f"  leaked threads             {threading.active_count() - threads_before}")
     print(f"  leaked /dev/shm segments   {len(set(os.listdir('/dev/shm')) - shm_before)}")
 
 

@@ -129,6 +129,7 @@ class Engine:
         self._engine_kwargs = engine_kwargs
         self._lock = threading.RLock()
         self._llm: Any = None
+        self._processes: list[Any] = []
         self._finalizer: weakref.finalize | None = None
         self.log_file = None
         self._start()
@@ -163,6 +164,7 @@ class Engine:
             steps.update()
         self._llm = llm
         processes = _descendants() - already_running
+        self._processes = sorted(processes, key=lambda process: process.pid)
         self._finalizer = weakref.finalize(self, _shutdown, llm, processes)
         self._find_paths(llm._module)
         steps.set_description(f"{self._source.name}: ready")
@@ -217,6 +219,12 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._llm is None
+
+    @property
+    def processes(self) -> list[Any]:
+        """The engine core and rank processes this engine started (``psutil.Process``), to
+        watch their memory or CPU; empty once closed."""
+        return [] if self.closed else list(self._processes)
 
     # -- use ------------------------------------------------------------------------------
 

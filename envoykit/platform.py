@@ -46,24 +46,48 @@ def worker_module(platform: str):
 
 
 def rank_environment(platform: str, tp: int) -> dict[str, str]:
-    """vLLM's CPU settings for ``tp`` ranks: one core per rank, shared round-robin.
+    """vLLM's CPU settings for ``tp`` ranks: every usable core bound to some rank.
 
-    vLLM's ``auto`` binding asserts one NUMA node per rank, so the binding is spelled out
-    (``"0|1"``, or ``"0|1|0"`` for three ranks on two cores). Measured on two cores, one rank
-    given both cores was 3.5x slower than one core: the engine-core process needs CPU too.
+    vLLM's ``auto`` binding asserts one NUMA node per rank, so the binding is spelled out.
+    With at least as many cores as ranks each rank gets its own contiguous share (``"0,1"``
+    for one rank on two cores, ``"0|1"`` for two); with fewer, ranks share cores round-robin
+    (``"0|1|0"`` for three ranks on two cores). Measured on two cores with the demo model, one
+    rank on both cores ran the lens 1.6x faster than on one, and generation no slower.
     """
     if platform != "cpu":
         return {}
-    cpus = usable_cpus()
     return {
-        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp)),
+        "VLLM_CPU_OMP_THREADS_BIND": core_binding(usable_cpus(), tp),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         # Deprecation notices from torch and vLLM internals (every all-gather warns once per
         # rank and call site) and torch's C++ NUMA notices say nothing a user can act on;
         # in a notebook they bury the output.
         "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
         "TORCH_CPP_LOG_LEVEL": "ERROR",
+        # Large tensors on transparent huge pages: the lens's full-vocab temporaries are
+        # fresh allocations each call, and faulting them in 4 KiB at a time cost as much as
+        # computing them (log-softmax of 480 x 49152 floats: 100 ms, 45 ms on huge pages).
+        "THP_MEM_ALLOC_ENABLE": "1",
     }
+
+
+def core_binding(cpus: list[int], tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` ranks on ``cpus``.
+
+    >>> core_binding([0, 1], 1), core_binding([0, 1], 2), core_binding([0, 1], 3)
+    ('0,1', '0|1', '0|1|0')
+    >>> core_binding([0, 1, 2, 3, 4], 2)
+    '0,1,2|3,4'
+    """
+    if tp > len(cpus):
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
+    share, extra = divmod(len(cpus), tp)
+    groups, start = [], 0
+    for rank in range(tp):
+        end = start + share + (rank < extra)
+        groups.append(",".join(str(cpu) for cpu in cpus[start:end]))
+        start = end
+    return "|".join(groups)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """Engines are expensive (tens of seconds each), so they are shared fixtures.
 
-``tiny`` at TP=1 and TP=2 live for the whole session; the variants (tied embeddings, logit
-soft-cap, bfloat16) and the demo model are started by the modules that need them.
+``tiny`` at TP=1 and TP=2 and ``demo`` at TP=3 live for the whole session (each started by
+the first test that needs it); the variants (tied embeddings, logit soft-cap, bfloat16) are
+started by the modules that need them.
 """
 
 from __future__ import annotations
@@ -35,3 +36,9 @@ def tiny2():
 @pytest.fixture(scope="session")
 def tiny_engines(tiny1, tiny2):
     return {1: tiny1, 2: tiny2}
+
+
+@pytest.fixture(scope="session")
+def demo3():
+    with start("demo", 3) as engine:
+        yield engine

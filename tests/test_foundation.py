@@ -7,7 +7,7 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -103,50 +103,91 @@ class TestConstructionErrors:
         assert children() == before
 
 
+# Each cycle starts two ranks (about 45 s here); bench/soak.py runs 20 cycles.
+CYCLES = 3
+
+OWNER_SCRIPT = """
+import psutil, envoykit as ek
+if __name__ == "__main__":
+    engine = ek.Engine({model!r}, tensor_parallel_size={tp}, progress=False)
+    print("READY", *[p.pid for p in engine.processes], flush=True)
+    import time; time.sleep(600)
+"""
+
+
+def assert_gone_within(pids: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in pids):
+        time.sleep(0.5)
+    alive = [pid for pid in pids if psutil.pid_exists(pid)]
+    for pid in alive:  # do not leak them into the rest of the run
+        os.kill(pid, signal.SIGKILL)
+    assert alive == []
+
+
 class TestLifecycle:
-    def test_close_leaves_no_process_and_no_shared_memory(self):
+    def test_open_close_cycles_leave_nothing(self):
+        """Open/close cycles in one process: after each, no process and no /dev/shm file is
+        left; no thread is left at the end, and resident memory grows by under 10%."""
+        me = psutil.Process()
         before_children, before_shm = children(), shm_files()
-        engine = start("tiny", 2)
-        assert children() - before_children
-        engine.close()
-        engine.close()  # idempotent
-        assert children() == before_children
-        assert shm_files() - before_shm == set()
+        threads_before = threading.active_count()
+        rss = []
+        for _ in range(CYCLES):
+            engine = start("tiny", 2)
+            assert len(engine.processes) == 3  # the engine core and two ranks
+            engine.lens("The capital of France is", top_k=2)
+            engine.close()
+            engine.close()  # idempotent
+            assert children() == before_children
+            assert shm_files() - before_shm == set()
+            rss.append(me.memory_info().rss)
         with pytest.raises(ek.EngineDead, match="closed"):
             engine.lens("hello")
+        assert threading.active_count() <= threads_before + 1
+        assert rss[-1] <= rss[0] * 1.10, [r >> 20 for r in rss]
 
     def test_killed_owner_leaves_nothing_behind(self):
-        """SIGKILL the process owning an engine: its ranks die and their shared memory goes."""
+        """SIGKILL the process owning a three-rank engine: its processes die, its memory goes."""
         before_shm = shm_files()
-        script = textwrap.dedent(
-            """
-            import os, psutil, envoykit as ek
-            if __name__ == "__main__":
-                engine = ek.Engine("tiny", tensor_parallel_size=2, progress=False)
-                kids = [p.pid for p in psutil.Process().children(recursive=True)]
-                print("READY", *kids, flush=True)
-                import time; time.sleep(600)
-            """
-        )
         owner = subprocess.Popen(
-            [sys.executable, "-c", script],
+            [sys.executable, "-c", OWNER_SCRIPT.format(model="demo", tp=3)],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
         )
         line = owner.stdout.readline()
         assert line.startswith("READY"), line
-        kids = [int(pid) for pid in line.split()[1:]]
-        assert len(kids) >= 3  # engine core and two ranks
+        pids = [int(pid) for pid in line.split()[1:]]
+        assert len(pids) == 4  # the engine core and three ranks
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in kids):
-            time.sleep(0.5)
-        alive = [pid for pid in kids if psutil.pid_exists(pid)]
-        for pid in alive:  # do not leak them into the rest of the run
-            os.kill(pid, signal.SIGKILL)
-        assert alive == []
+        assert_gone_within(pids, 15)
+        assert shm_files() - before_shm == set()
+
+    def test_kernel_killed_by_its_manager_leaves_nothing_behind(self):
+        """A Jupyter kernel holding an engine, killed through its kernel manager (what
+        "Restart kernel" does when the kernel does not answer): nothing is left behind."""
+        from jupyter_client.manager import start_new_kernel
+
+        before_shm = shm_files()
+        manager, client = start_new_kernel(kernel_name="python3")
+        lines: list[str] = []
+        try:
+            client.execute_interactive(
+                "import envoykit as ek\n"
+                "engine = ek.Engine('tiny', tensor_parallel_size=2, progress=False)\n"
+                "print('READY', *[p.pid for p in engine.processes])",
+                timeout=300,
+                output_hook=lambda msg: lines.append(msg["content"].get("text", "")),
+            )
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=True)
+        ready = next(line for line in "".join(lines).splitlines() if line.startswith("READY"))
+        pids = [int(pid) for pid in ready.split()[1:]]
+        assert len(pids) == 3
+        assert_gone_within(pids, 15)
         assert shm_files() - before_shm == set()
 
 

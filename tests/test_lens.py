@@ -73,11 +73,10 @@ class TestAgainstTransformers:
         np.testing.assert_allclose(one.top_probs, two.top_probs, atol=1e-5)
 
     @pytest.mark.slow
-    def test_demo_tp3(self):
-        with start("demo", 3) as engine:
-            res = engine.lens(PROMPT, layers=["embed", "all"], top_k=5, targets=[" Paris"])
+    def test_demo_tp3(self, demo3):
+        res = demo3.lens(PROMPT, layers=["embed", "all"], top_k=5, targets=[" Paris"])
         targets = [int(t) for t in res.target_ids]
-        assert_matches_reference(res, reference_statistics(engine.info.path, PROMPT, 5, targets))
+        assert_matches_reference(res, reference_statistics(demo3.info.path, PROMPT, 5, targets))
         assert res.top1(-1)[-1][1] == " Paris"
 
 

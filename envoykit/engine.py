@@ -4,7 +4,8 @@ One object owns the engine's processes for its whole lifetime: it picks the plat
 tensor-parallel size, checks the request before any rank starts, keeps vLLM's log out of the
 notebook, serialises requests from several threads, and closes every rank process and shared
 memory segment on ``close()``, on garbage collection and at interpreter exit. Ranks also die
-with the owning process if it is killed (see `envoykit.lifeline`).
+with the owning process if it is killed (see `envoykit.lifeline`), and a janitor process
+unlinks their shared memory then (see `envoykit.janitor`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from envoykit import logs, models, platform
 from envoykit.errors import EngineDead, InvalidRequest
+from envoykit.janitor import Janitor
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Enough KV cache for a few prompts of max_model_len tokens on the built-in models.
@@ -165,7 +167,8 @@ class Engine:
         self._llm = llm
         processes = _descendants() - already_running
         self._processes = sorted(processes, key=lambda process: process.pid)
-        self._finalizer = weakref.finalize(self, _shutdown, llm, processes)
+        watcher = Janitor([p.pid for p in self._processes], _mapped_segments(processes))
+        self._finalizer = weakref.finalize(self, _shutdown, llm, processes, watcher)
         self._find_paths(llm._module)
         steps.set_description(f"{self._source.name}: ready")
         steps.update()
@@ -396,7 +399,7 @@ def _mapped_segments(processes: set[Any]) -> set[str]:
     return found
 
 
-def _shutdown(llm: Any, processes: set[Any]) -> None:
+def _shutdown(llm: Any, processes: set[Any], watcher: Janitor) -> None:
     """Shut the engine core down, then make sure every process and segment it made is gone.
 
     vLLM's shutdown asks the engine core to stop its ranks and unlink their shared memory,
@@ -404,7 +407,8 @@ def _shutdown(llm: Any, processes: set[Any]) -> None:
     exiting, and a force-killed process never unlinks its segments (Python's resource
     tracker would, but only when this whole process exits). Waiting for each process,
     killing what outlives a second grace period, then unlinking the segments they had mapped
-    means ``close()`` returning implies nothing is left.
+    means ``close()`` returning implies nothing is left. The janitor, which would do the
+    same had this process been killed, is told the engine is closed and exits.
     """
     import psutil
 
@@ -426,3 +430,4 @@ def _shutdown(llm: Any, processes: set[Any]) -> None:
             # The segment was registered with this process's tracker by the rank that made
             # it; unregistered, the tracker will not warn about it (or unlink it) at exit.
             resource_tracker.unregister(f"/{name}", "shared_memory")
+    watcher.release()

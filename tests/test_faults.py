@@ -52,7 +52,7 @@ def rank(engine: ek.Engine, number: int) -> psutil.Process:
 
 def test_killed_rank_gives_engine_dead_then_restart_works():
     """Rank 0 killed during a lens, then rank 1 killed while idle: each time `EngineDead`
-    within 30 s of the kill, and after `restart()` the lens is what it was."""
+    within 30 s of the kill; after the first, `restart()` gives the lens it gave before."""
     engine = start("tiny", 2)
     try:
         before = engine.lens(PROMPT, top_k=3)
@@ -73,9 +73,7 @@ def test_killed_rank_gives_engine_dead_then_restart_works():
         assert isinstance(error, ek.EngineDead), error
         assert "restart" in str(error)
         assert elapsed < 30
-        engine.restart()
-        after = engine.lens(PROMPT, top_k=3)
-        np.testing.assert_array_equal(after.top_ids, before.top_ids)
+        assert engine.closed and engine.processes == []
     finally:
         engine.close()
 
@@ -126,7 +124,7 @@ def test_lens_beyond_memory_is_chunked(demo3):
     gigabytes on every rank; chunked, each rank's peak memory grows by about the budget."""
     from envoykit.lens import DEFAULT_MEMORY_BUDGET
 
-    prompt = " ".join(["The capital of France is Paris, and the capital of Italy is Rome."] * 8)
+    prompt = " ".join(["The capital of France is Paris, and the capital of Italy is Rome."] * 10)
     info = demo3.info
     n_pos = len(demo3.tokenizer(prompt).input_ids)
     unchunked = info.n_layers * n_pos * info.vocab * 4 * 3

@@ -54,8 +54,9 @@ class TestEngine:
         assert info.platform == "cpu" and info.dtype == "float32"
 
     def test_ranks_are_real_processes(self, tiny2):
-        names = [p.name() for p in psutil.Process().children(recursive=True)]
-        assert sum("Worker_TP" in name for name in names) == 2, names
+        names = [p.name() for p in tiny2.processes]
+        assert sorted(names) == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+        assert all(p.is_running() for p in tiny2.processes)
 
     def test_greedy_tokens_identical_at_tp1_and_tp2(self, tiny_engines):
         prompt = "The quick brown fox"
@@ -125,6 +126,14 @@ def assert_gone_within(pids: list[int], seconds: float) -> None:
     assert alive == []
 
 
+def assert_no_new_shm_within(before: set[str], seconds: float) -> None:
+    """The janitor unlinks a killed owner's segments once its processes are gone."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and shm_files() - before:
+        time.sleep(0.2)
+    assert shm_files() - before == set()
+
+
 class TestLifecycle:
     def test_open_close_cycles_leave_nothing(self):
         """Open/close cycles in one process: after each, no process and no /dev/shm file is
@@ -163,32 +172,57 @@ class TestLifecycle:
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
         assert_gone_within(pids, 15)
-        assert shm_files() - before_shm == set()
+        assert_no_new_shm_within(before_shm, 5)
 
-    def test_kernel_killed_by_its_manager_leaves_nothing_behind(self):
-        """A Jupyter kernel holding an engine, killed through its kernel manager (what
-        "Restart kernel" does when the kernel does not answer): nothing is left behind."""
+    def test_jupyter_kernel_interrupted_then_killed_by_its_manager(self):
+        """A Jupyter kernel holding an engine, driven through its kernel manager: the stop
+        button (SIGINT to the kernel's process group) during a lens leaves the engine usable;
+        killing the kernel (what a restart does when it does not answer) leaves nothing."""
         from jupyter_client.manager import start_new_kernel
 
         before_shm = shm_files()
         manager, client = start_new_kernel(kernel_name="python3")
-        lines: list[str] = []
         try:
-            client.execute_interactive(
+            started = run_cell(
+                client,
                 "import envoykit as ek\n"
                 "engine = ek.Engine('tiny', tensor_parallel_size=2, progress=False)\n"
-                "print('READY', *[p.pid for p in engine.processes])",
-                timeout=300,
-                output_hook=lambda msg: lines.append(msg["content"].get("text", "")),
+                "expected = engine.lens('The capital of France is', top_k=3).top_ids\n"
+                "print(*[p.pid for p in engine.processes])",
             )
+            pids = [int(pid) for pid in started.split()]
+            assert len(pids) == 3
+            long_lens = client.execute(
+                "for _ in range(100):\n"
+                "    engine.lens('The capital of France is', generate=50, top_k=3)"
+            )
+            time.sleep(3)
+            manager.interrupt_kernel()
+            reply = client.get_shell_msg(timeout=60)
+            assert reply["parent_header"]["msg_id"] == long_lens
+            assert reply["content"]["ename"] == "KeyboardInterrupt"
+            again = "engine.lens('The capital of France is', top_k=3).top_ids"
+            assert run_cell(client, f"print(({again} == expected).all())").strip() == "True"
+            assert all(psutil.pid_exists(pid) for pid in pids)
         finally:
             client.stop_channels()
             manager.shutdown_kernel(now=True)
-        ready = next(line for line in "".join(lines).splitlines() if line.startswith("READY"))
-        pids = [int(pid) for pid in ready.split()[1:]]
-        assert len(pids) == 3
         assert_gone_within(pids, 15)
-        assert shm_files() - before_shm == set()
+        assert_no_new_shm_within(before_shm, 5)
+
+
+def run_cell(client, code: str) -> str:
+    """Run ``code`` in the kernel; its printed output, or fail with the kernel's error."""
+    out: list[str] = []
+
+    def keep_stdout(msg: dict) -> None:
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            out.append(msg["content"]["text"])
+
+    reply = client.execute_interactive(code, timeout=300, output_hook=keep_stdout)
+    content = reply["content"]
+    assert content["status"] == "ok", f"{content.get('ename')}: {content.get('evalue')}"
+    return "".join(out)
 
 
 def test_environment_yml_names_the_lock_pins():

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -147,7 +149,36 @@ class Engine:
         self.log_file, log_env = logs.configure(models.cache_dir() / "logs", self._log_level)
         workers = platform.worker_module(self._platform)
         env = {**platform.rank_environment(self._platform, self._tp), **log_env}
-        with platform.environment(env):
+        # The engine's temporary files (vLLM's ZeroMQ sockets, a few dozen per engine, and its
+        # rendezvous file, which vLLM leaves behind) go to a directory of the engine's own,
+        # removed with it. (mkdtemp also fixes this process's own temporary directory first.)
+        scratch = tempfile.mkdtemp(prefix="envoykit-")
+        try:
+            llm = self._spawn(workers, env, scratch, steps)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        self._llm = llm
+        processes = _descendants() - already_running
+        self._processes = sorted(processes, key=lambda process: process.pid)
+        segments = sorted(os.path.join(_SHM, name) for name in _mapped_segments(processes))
+        watcher = Janitor([p.pid for p in self._processes], [*segments, scratch])
+        self._finalizer = weakref.finalize(self, _shutdown, llm, processes, watcher, scratch)
+        self._find_paths(llm._module)
+        steps.set_description(f"{self._source.name}: ready")
+        steps.update()
+        steps.close()
+        self.load_seconds = time.perf_counter() - started
+        if self._progress:
+            print(
+                f"envoykit: {self._source.name} on {self._tp} {self._platform} rank(s), "
+                f"{self._dtype}, ready in {self.load_seconds:.1f} s; vLLM log: {self.log_file}"
+            )
+
+    def _spawn(self, workers: Any, env: dict[str, str], scratch: str, steps: Any) -> Any:
+        """vLLM's engine under nnsight, its processes started with ``env`` and ``scratch``."""
+        forced = {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
+        with platform.environment(env, forced=forced):
             from envoykit.envoys import EnvoykitVLLM
 
             workers.prepare_client()
@@ -164,21 +195,7 @@ class Engine:
                 **kwargs,
             )
             steps.update()
-        self._llm = llm
-        processes = _descendants() - already_running
-        self._processes = sorted(processes, key=lambda process: process.pid)
-        watcher = Janitor([p.pid for p in self._processes], _mapped_segments(processes))
-        self._finalizer = weakref.finalize(self, _shutdown, llm, processes, watcher)
-        self._find_paths(llm._module)
-        steps.set_description(f"{self._source.name}: ready")
-        steps.update()
-        steps.close()
-        self.load_seconds = time.perf_counter() - started
-        if self._progress:
-            print(
-                f"envoykit: {self._source.name} on {self._tp} {self._platform} rank(s), "
-                f"{self._dtype}, ready in {self.load_seconds:.1f} s; vLLM log: {self.log_file}"
-            )
+        return llm
 
     def _find_paths(self, meta_model: Any) -> None:
         """Where the decoder layers, the final norm and the unembedding live in this model."""
@@ -399,7 +416,7 @@ def _mapped_segments(processes: set[Any]) -> set[str]:
     return found
 
 
-def _shutdown(llm: Any, processes: set[Any], watcher: Janitor) -> None:
+def _shutdown(llm: Any, processes: set[Any], watcher: Janitor, scratch: str) -> None:
     """Shut the engine core down, then make sure every process and segment it made is gone.
 
     vLLM's shutdown asks the engine core to stop its ranks and unlink their shared memory,
@@ -430,4 +447,5 @@ def _shutdown(llm: Any, processes: set[Any], watcher: Janitor) -> None:
             # The segment was registered with this process's tracker by the rank that made
             # it; unregistered, the tracker will not warn about it (or unlink it) at exit.
             resource_tracker.unregister(f"/{name}", "shared_memory")
+    shutil.rmtree(scratch, ignore_errors=True)
     watcher.release()

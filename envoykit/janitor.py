@@ -6,31 +6,32 @@ shared memory of processes that die without doing so. The engine's own processes
 group (`envoykit.lifeline`) and exit on their parent's death, but the engine core does not
 unlink the broadcast queue its ranks read. This janitor, started in a session of its own,
 waits on a pipe from the owner; when the pipe closes (``close()``, or the owner's death) it
-waits for the engine's processes to exit, kills what outlives the grace period, and unlinks
-the segments they had mapped. It runs as a plain script (no package import) so it costs a
-Python start-up and nothing more.
+waits for the engine's processes to exit, kills what outlives the grace period, and removes
+the segments they had mapped and the engine's temporary directory. It runs as a plain
+script (no package import) so it costs a Python start-up and nothing more.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
-_SHM = "/dev/shm"
 _GRACE_SECONDS = 15.0
 
 
 class Janitor:
-    """The owner's end of a janitor process watching ``pids`` and ``segments``."""
+    """The owner's end of a janitor process watching ``pids``; it removes ``paths`` (files,
+    or directories with their contents) once they are gone."""
 
-    def __init__(self, pids: list[int], segments: set[str]) -> None:
+    def __init__(self, pids: list[int], paths: list[str]) -> None:
         read, self._write = os.pipe()
         self._process = subprocess.Popen(
-            [sys.executable, "-I", __file__, *map(str, pids), "--", *sorted(segments)],
+            [sys.executable, "-I", __file__, *map(str, pids), "--", *paths],
             stdin=read,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -58,7 +59,7 @@ def _start_time(pid: int) -> str | None:
 
 def main(argv: list[str]) -> None:
     split = argv.index("--")
-    pids, segments = [int(pid) for pid in argv[:split]], argv[split + 1 :]
+    pids, paths = [int(pid) for pid in argv[:split]], argv[split + 1 :]
     started = {pid: _start_time(pid) for pid in pids}  # a reused pid is someone else's
 
     def alive() -> list[int]:
@@ -70,9 +71,12 @@ def main(argv: list[str]) -> None:
         time.sleep(0.2)
     for pid in alive():
         os.kill(pid, signal.SIGKILL)
-    for name in segments:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(_SHM, name))
+    for path in paths:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 if __name__ == "__main__":

@@ -91,17 +91,25 @@ def core_binding(cpus: list[int], tp: int) -> str:
 
 
 @contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """Set the variables the user has not set, for the spawn only; restore afterwards.
+def environment(values: dict[str, str], forced: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` the user has not set, and ``forced`` over whatever is set, for the
+    spawn only; restore afterwards.
 
     Spawned processes copy the environment when they start, so the values only need to live
     while the engine starts; removing them keeps a second engine (another TP size) from
     inheriting the first one's core binding.
     """
+    saved = {key: os.environ.get(key) for key in forced}
     added = {key: value for key, value in values.items() if key not in os.environ}
     os.environ.update(added)
+    os.environ.update(forced)
     try:
         yield
     finally:
         for key in added:
             os.environ.pop(key, None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

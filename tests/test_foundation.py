@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,6 +25,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+def leftovers() -> set[str]:
+    """What an engine could leave behind: /dev/shm files, and in the temporary directory
+    sockets (vLLM's ZeroMQ endpoints), vLLM's rendezvous files and envoykit's directories."""
+    tmp = tempfile.gettempdir()
+    found = {f"/dev/shm/{name}" for name in shm_files()}
+    for entry in os.scandir(tmp):
+        with contextlib.suppress(OSError):
+            if entry.name.startswith(("vllm_dist_", "envoykit-")) or stat.S_ISSOCK(
+                entry.stat(follow_symlinks=False).st_mode
+            ):
+                found.add(entry.path)
+    return found
 
 
 def children() -> set[int]:
@@ -126,20 +143,21 @@ def assert_gone_within(pids: list[int], seconds: float) -> None:
     assert alive == []
 
 
-def assert_no_new_shm_within(before: set[str], seconds: float) -> None:
-    """The janitor unlinks a killed owner's segments once its processes are gone."""
+def assert_nothing_left_within(before: set[str], seconds: float) -> None:
+    """The janitor removes a killed owner's leftovers once its processes are gone."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and shm_files() - before:
+    while time.monotonic() < deadline and leftovers() - before:
         time.sleep(0.2)
-    assert shm_files() - before == set()
+    assert leftovers() - before == set()
 
 
 class TestLifecycle:
     def test_open_close_cycles_leave_nothing(self):
-        """Open/close cycles in one process: after each, no process and no /dev/shm file is
-        left; no thread is left at the end, and resident memory grows by under 10%."""
+        """Open/close cycles in one process: after each, no process, /dev/shm file, socket or
+        temporary file is left; no thread is left at the end, and resident memory grows by
+        under 10%."""
         me = psutil.Process()
-        before_children, before_shm = children(), shm_files()
+        before_children, before = children(), leftovers()
         threads_before = threading.active_count()
         rss = []
         for _ in range(CYCLES):
@@ -149,7 +167,7 @@ class TestLifecycle:
             engine.close()
             engine.close()  # idempotent
             assert children() == before_children
-            assert shm_files() - before_shm == set()
+            assert leftovers() - before == set()
             rss.append(me.memory_info().rss)
         with pytest.raises(ek.EngineDead, match="closed"):
             engine.lens("hello")
@@ -158,7 +176,7 @@ class TestLifecycle:
 
     def test_killed_owner_leaves_nothing_behind(self):
         """SIGKILL the process owning a three-rank engine: its processes die, its memory goes."""
-        before_shm = shm_files()
+        before = leftovers()
         owner = subprocess.Popen(
             [sys.executable, "-c", OWNER_SCRIPT.format(model="demo", tp=3)],
             stdout=subprocess.PIPE,
@@ -172,7 +190,7 @@ class TestLifecycle:
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
         assert_gone_within(pids, 15)
-        assert_no_new_shm_within(before_shm, 5)
+        assert_nothing_left_within(before, 5)
 
     def test_jupyter_kernel_interrupted_then_killed_by_its_manager(self):
         """A Jupyter kernel holding an engine, driven through its kernel manager: the stop
@@ -180,7 +198,7 @@ class TestLifecycle:
         killing the kernel (what a restart does when it does not answer) leaves nothing."""
         from jupyter_client.manager import start_new_kernel
 
-        before_shm = shm_files()
+        before = leftovers()
         manager, client = start_new_kernel(kernel_name="python3")
         try:
             started = run_cell(
@@ -208,7 +226,7 @@ class TestLifecycle:
             client.stop_channels()
             manager.shutdown_kernel(now=True)
         assert_gone_within(pids, 15)
-        assert_no_new_shm_within(before_shm, 5)
+        assert_nothing_left_within(before, 5)
 
 
 def run_cell(client, code: str) -> str:

@@ -121,7 +121,7 @@ class TestConstructionErrors:
         assert children() == before
 
 
-# Each cycle starts two ranks (about 45 s here); bench/soak.py runs 20 cycles.
+# Each cycle starts two ranks (about a minute here); bench/soak.py runs 20 cycles.
 CYCLES = 3
 
 OWNER_SCRIPT = """

@@ -29,7 +29,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates any
 import torch
 
 import envoykit as ek
-from envoykit.platform import core_binding, usable_cpus
+from envoykit.platform import usable_cpus
 
 TARGET = " Paris"
 PROMPT = "The capital of France is a city with a long history, and its name is"
@@ -115,7 +115,7 @@ def main() -> None:
             sizes.append((n_layers * n_pos, info.d_model, info.vocab))
         if args.tp == 1:
             break
-    rank_cores = len(core_binding(usable_cpus(), 1).split(","))
+    rank_cores = len(usable_cpus())  # a TP=1 rank is bound to every usable core
     matmul_row = f"matmul of the lens's size, {rank_cores} threads"
     rows[matmul_row] = median_seconds(matmul(*sizes[0], rank_cores), args.repeats)
     rows["nnsight + transformers lens"] = median_seconds(

@@ -12,28 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from envoykit.metrics import metric_grid, text_colour
 from envoykit.result import LensResult
-
-METRICS = {
-    "prob": ("top-1 probability", "Blues", (0.0, 1.0)),
-    "entropy": ("entropy (nats)", "magma_r", None),
-    "kl": ("KL(final || layer) (nats)", "viridis_r", None),
-}
-
-
-def metric_values(res: LensResult, metric: str) -> tuple[np.ndarray, str]:
-    """The ``[layers, positions]`` grid a heatmap colours by, and its label."""
-    if metric in METRICS:
-        grid = {"prob": res.top_probs[..., 0], "entropy": res.entropy, "kl": res.kl}[metric]
-        return grid, METRICS[metric][0]
-    try:
-        trace = res.target(metric)
-    except KeyError:
-        raise KeyError(
-            f"unknown metric {metric!r}: use one of {list(METRICS)} or a target "
-            f"{list(res.target_labels)}"
-        ) from None
-    return trace.prob, f"p({trace.token!r})"
 
 
 def heatmap(
@@ -42,19 +22,18 @@ def heatmap(
     """Layers (rows, last on top) x positions (columns), top-1 token in each cell."""
     import matplotlib.pyplot as plt
 
-    grid, label = metric_values(res, metric)
+    grid, definition = metric_grid(res, metric)
+    label = definition.title
     n_layers, n_pos = grid.shape
     if ax is None:
         _, ax = plt.subplots(figsize=(min(2.0 + 1.1 * n_pos, 30), min(1.5 + 0.32 * n_layers, 30)))
-    cmap, limits = METRICS.get(metric, ("target", "Greens", (0.0, 1.0)))[1:]
-    vmin, vmax = limits or (float(np.nanmin(grid)), float(np.nanmax(grid)) or 1.0)
-    image = ax.imshow(grid, aspect="auto", origin="lower", cmap=cmap, vmin=vmin, vmax=vmax)
-    threshold = vmin + 0.6 * (vmax - vmin)
+    vmin, vmax = definition.range(grid)
+    image = ax.imshow(
+        grid, aspect="auto", origin="lower", cmap=definition.cmap, vmin=vmin, vmax=vmax
+    )
+    cells = image.to_rgba(grid)  # the colour of every cell, to write its token legibly on it
     for li in range(n_layers):
         for pi in range(n_pos):
-            color = (
-                "white" if (grid[li, pi] > threshold) == (cmap in ("Blues", "Greens")) else "black"
-            )
             ax.text(
                 pi,
                 li,
@@ -62,7 +41,7 @@ def heatmap(
                 ha="center",
                 va="center",
                 fontsize=7,
-                color=color,
+                color=text_colour(cells[li, pi]),
             )
     ax.set_xticks(
         range(n_pos), [_short(t, 12) for t in res.tokens], rotation=45, ha="right", fontsize=8

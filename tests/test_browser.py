@@ -3,8 +3,10 @@
 One test runs `LensExplorer` on a 2-rank ``tiny`` engine inside a JupyterLab kernel and
 checks, against the values the kernel itself holds, that the tooltip shows the cell's top-k,
 that a click reaches the kernel as a selection and that pinning a token re-runs the lens and
-redraws the trajectory. The other opens the standalone HTML export with no kernel at all.
-Screenshots land in ``artifacts/``.
+redraws the trajectory. Others open the standalone HTML export with no kernel at all, and a
+stored result whose every text is markup, read-only in JupyterLab and in the export: it must
+show as text and run nothing, in the light and the dark theme. Screenshots land in
+``artifacts/``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from test_explorer import XSS_IMG, hostile_result
 
 import envoykit as ek
 from envoykit.explorer import LensExplorer
@@ -33,6 +36,7 @@ CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
 NOTEBOOK = Path(__file__).parent / "browser" / "explorer.ipynb"
+READ_ONLY_NOTEBOOK = Path(__file__).parent / "browser" / "readonly.ipynb"
 
 pytestmark = pytest.mark.skipif(
     not Path(CHROMIUM).exists(),
@@ -81,7 +85,7 @@ def hover_cell(page: Any, layer: int, position: int) -> dict[str, Any]:
     assert tip.get_attribute("data-position") == str(position)
     rows = tip.locator(".ek-token").evaluate_all(
         "buttons => buttons.map(b => ({id: Number(b.dataset.id),"
-        " token: decodeURIComponent(b.dataset.token), prob: Number(b.dataset.prob)}))"
+        " token: b.dataset.token, prob: Number(b.dataset.prob)}))"
     )
     return {"point": point, "rows": rows}
 
@@ -90,6 +94,67 @@ def assert_tooltip_matches(rows: list[dict], ids: list, tokens: list, probs: lis
     assert [r["id"] for r in rows] == ids
     assert [r["token"] for r in rows] == tokens
     np.testing.assert_allclose([r["prob"] for r in rows], probs, atol=1e-6)
+
+
+# Luminance (0 dark .. 1 light) of the canvas pixels in the middle of cell (l, p): the cell's
+# own colour (the median) and the extremes, which are the text written on it.
+CELL_LUMINANCE = """(root, [l, p]) => {
+    const point = root.ekCellCenter(l, p);
+    const canvas = root.querySelector("canvas.ek-canvas");
+    const rect = canvas.getBoundingClientRect();
+    const ratio = canvas.width / rect.width;
+    const [w, h] = [40, 14];
+    const px = canvas.getContext("2d").getImageData(
+        Math.round((point.x - rect.left - w / 2) * ratio),
+        Math.round((point.y - rect.top - h / 2) * ratio),
+        Math.round(w * ratio), Math.round(h * ratio)).data;
+    const lum = [];
+    for (let i = 0; i < px.length; i += 4)
+        lum.push((0.2126 * px[i] + 0.7152 * px[i + 1] + 0.0722 * px[i + 2]) / 255);
+    lum.sort((a, b) => a - b);
+    return {fill: lum[lum.length >> 1], min: lum[0], max: lum[lum.length - 1]};
+}"""
+
+# The canvas's corner, where no cell is: the page's background as the heatmap paints it.
+CANVAS_BACKGROUND = """root => {
+    const [r, g, b] = root.querySelector("canvas.ek-canvas").getContext("2d")
+        .getImageData(0, 0, 1, 1).data;
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255;
+}"""
+
+
+def css_luminance(colour: str) -> float:
+    """Luminance of a computed CSS colour, ``rgb(r, g, b)`` or ``rgba(r, g, b, a)``."""
+    r, g, b = (float(c) for c in colour[colour.index("(") + 1 : -1].split(",")[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+def assert_model_text_is_text(page: Any, res: ek.LensResult) -> None:
+    """Every token in the tooltip of the last layer's cells shows literally, none became
+    markup, and no handler in the text ran."""
+    for position in range(len(res.tokens)):
+        layer = len(res.layers) - 1
+        tip = hover_cell(page, layer, position)
+        tokens = res.top_tokens[layer, position].tolist()
+        assert_tooltip_matches(
+            tip["rows"],
+            res.top_ids[layer, position].tolist(),
+            tokens,
+            res.top_probs[layer, position].tolist(),
+        )
+        shown = page.locator(".ek-tooltip .ek-token").all_inner_texts()
+        assert shown == [json.dumps(token) for token in tokens]
+        head = page.locator(".ek-tooltip .ek-tip-head").inner_text()
+        assert json.dumps(res.tokens[position]) in head
+    assert_nothing_ran(page)
+
+
+def assert_nothing_ran(page: Any) -> None:
+    """No markup from the model text is in the page and none of its handlers ran."""
+    page.wait_for_timeout(300)  # an image's onerror fires after its load fails
+    assert page.locator(".ek-heatmap img, .ek-heatmap script, .ek-heatmap b").count() == 0
+    assert page.locator("img[src='x']").count() == 0
+    assert page.evaluate("() => window.__pwned") is None
 
 
 # -- standalone HTML export: no kernel ------------------------------------------------------
@@ -152,6 +217,12 @@ def test_standalone_html_renders_without_kernel(browser, tmp_path, shape):
         )
         page.mouse.click(tip["point"]["x"], tip["point"]["y"])
         assert page.evaluate("window.ekModel.get('selected')") == [layer, position]
+        # Focus is on no element of the heatmap (a canvas takes none): Escape still closes.
+        assert page.evaluate("() => document.activeElement === document.body")
+        page.keyboard.press("Escape")
+        page.locator(".ek-tooltip").wait_for(state="hidden", timeout=5000)
+        page.mouse.click(tip["point"]["x"], tip["point"]["y"])
+        page.locator(".ek-tooltip").wait_for(state="visible", timeout=5000)
         page.locator(".ek-tooltip .ek-token").first.click()
         assert page.evaluate("window.ekModel.get('pinned')") == [
             int(res.top_ids[layer, position, 0])
@@ -163,6 +234,49 @@ def test_standalone_html_renders_without_kernel(browser, tmp_path, shape):
     finally:
         page.close()
     print(f"standalone {shape}: {time.monotonic() - started:.1f} s")
+
+
+def test_standalone_page_shows_model_text_as_text(browser, tmp_path):
+    """Markup in tokens, the target, the prompt and the model name shows as text in the
+    exported page and runs nothing; cells write their token legibly; the page follows the
+    reader's dark colour scheme."""
+    res = hostile_result()
+    path = LensExplorer(res).export(tmp_path / "lens.html")
+    page = browser.new_page(viewport={"width": 1000, "height": 700})
+    try:
+        page.goto(path.as_uri())
+        page.wait_for_selector(".ek-heatmap[data-drawn]", timeout=15000)
+        assert page.title() == f"logit lens: {res.prompt[:60]}"
+        assert repr(res.prompt) in page.locator("h3").inner_text()
+        assert res.meta["model"] in page.locator("body > p").inner_text()
+        assert_model_text_is_text(page, res)
+
+        options = page.locator("#ek-metric option").all_inner_texts()
+        assert options[-1] == f"p({XSS_IMG!r})"
+        page.select_option("#ek-metric", XSS_IMG)
+        assert_nothing_ran(page)
+        assert f"p({XSS_IMG!r})" in page.locator(".ek-legend").inner_text()
+        page.select_option("#ek-metric", "prob")
+
+        heatmap = page.locator(".ek-heatmap")
+        dark = heatmap.evaluate(CELL_LUMINANCE, [2, 0])  # p = 0.9: deep blue
+        light = heatmap.evaluate(CELL_LUMINANCE, [0, 1])  # p = 0.4: pale blue
+        assert dark["fill"] < 0.4 and dark["max"] > dark["fill"] + 0.4, dark
+        assert light["fill"] > 0.55 and light["min"] < light["fill"] - 0.4, light
+        assert heatmap.evaluate(CANVAS_BACKGROUND) > 0.9
+
+        page.emulate_media(color_scheme="dark")
+        page.wait_for_function(
+            f"() => ({CANVAS_BACKGROUND})(document.querySelector('.ek-heatmap')) < 0.1",
+            timeout=5000,
+        )
+        legend = page.locator(".ek-legend").evaluate("el => getComputedStyle(el).color")
+        assert css_luminance(legend) > 0.8
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "standalone_dark.png"))
+        assert page.evaluate("() => window.__pwned") is None
+    finally:
+        page.close()
 
 
 # -- JupyterLab with a real 2-rank engine in the kernel -------------------------------------
@@ -262,6 +376,85 @@ def _children(pid: int) -> list[psutil.Process]:
     return process.children(recursive=True) if process else []
 
 
+def open_and_run(page: Any, lab: Lab, notebook: str, command: str) -> None:
+    """Open a notebook once its kernel is up, make the last cell active and run ``command``
+    (``notebook:run-all-cells``, ``notebook:run-all-above``)."""
+    page.goto(lab.url(notebook))
+    page.wait_for_function(
+        "() => window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel",
+        timeout=60000,
+    )
+    page.evaluate(
+        """async (command) => {
+            const panel = window.jupyterapp.shell.currentWidget;
+            await panel.sessionContext.ready;
+            panel.content.activeCellIndex = panel.content.widgets.length - 1;
+            window.jupyterapp.commands.execute(command);
+        }""",
+        command,
+    )
+
+
+def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
+    """A stored result whose every text is markup, read-only in JupyterLab (no engine): the
+    heatmap, the metric menu and the legend show it as text and run nothing; switched to
+    JupyterLab Dark, the heatmap follows the theme."""
+    res = hostile_result()
+    stored = tmp_path / "hostile.json"
+    res.to_json(str(stored))
+    work = tmp_path / "work"
+    work.mkdir()
+    notebook = READ_ONLY_NOTEBOOK.read_text().replace("__RESULT__", str(stored))
+    (work / "readonly.ipynb").write_text(notebook)
+    started = time.monotonic()
+    lab = Lab(tmp_path)
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    try:
+        open_and_run(page, lab, "readonly.ipynb", "notebook:run-all-cells")
+        page.wait_for_selector(".ek-heatmap[data-drawn]", timeout=120000)
+        assert_model_text_is_text(page, res)
+
+        menu = page.locator(".widget-dropdown select")
+        options = [text.replace("\xa0", " ") for text in menu.locator("option").all_inner_texts()]
+        assert options[-1] == f"p({XSS_IMG!r})"
+        menu.select_option(index=len(options) - 1)  # through the kernel and back
+        page.wait_for_function(
+            "label => document.querySelector('.ek-legend')?.textContent.includes(label)",
+            arg=f"p({XSS_IMG!r})",
+            timeout=30000,
+        )
+        assert_nothing_ran(page)
+
+        heatmap = page.locator(".ek-heatmap")
+        assert heatmap.evaluate(CANVAS_BACKGROUND) > 0.9
+        page.evaluate(
+            "() => window.jupyterapp.commands.execute("
+            "'apputils:change-theme', {theme: 'JupyterLab Dark'})"
+        )
+        page.wait_for_function(
+            f"() => ({CANVAS_BACKGROUND})(document.querySelector('.ek-heatmap')) < 0.1",
+            timeout=30000,
+        )
+        # JupyterLab covers the page with its splash screen while it switches themes.
+        page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30000)
+        legend = heatmap.locator(".ek-legend").evaluate("el => getComputedStyle(el).color")
+        assert css_luminance(legend) > 0.8
+        hover_cell(page, len(res.layers) - 1, 0)
+        tip = page.locator(".ek-tooltip")
+        assert css_luminance(tip.evaluate("el => getComputedStyle(el).backgroundColor")) < 0.2
+        assert css_luminance(tip.evaluate("el => getComputedStyle(el).color")) > 0.8
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "explorer_read_only_dark.png"))
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "explorer_read_only_failure.png"))
+        raise
+    finally:
+        page.close()
+        lab.stop()
+    print(f"read-only explorer in JupyterLab: {time.monotonic() - started:.1f} s")
+
+
 def test_explorer_in_jupyterlab(browser, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -281,20 +474,8 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
     kernel_tree: list[psutil.Process] = []
     try:
         timings["lab"] = time.monotonic() - started
-        page.goto(lab.url("explorer.ipynb"))
-        page.wait_for_function(
-            "() => window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel",
-            timeout=60000,
-        )
         # Every cell but the last, which closes the engine at the end of the test.
-        page.evaluate(
-            """async () => {
-                const panel = window.jupyterapp.shell.currentWidget;
-                await panel.sessionContext.ready;
-                panel.content.activeCellIndex = panel.content.widgets.length - 1;
-                window.jupyterapp.commands.execute('notebook:run-all-above');
-            }"""
-        )
+        open_and_run(page, lab, "explorer.ipynb", "notebook:run-all-above")
         run_button = page.locator("button.widget-button", has_text="Run")
         run_button.wait_for(timeout=240000)
         kernel_tree = [_process(wait_for(lambda: state().get("pid"), 30, "the kernel state"))]

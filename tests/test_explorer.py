@@ -7,24 +7,53 @@ the clicks themselves.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 import subprocess
 import sys
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
+from matplotlib.colors import to_hex
 
 import envoykit as ek
+from envoykit import plot
 from envoykit.explorer import (
     Heatmap,
     LayerPicker,
     LensExplorer,
     heatmap_data,
     picker_layers,
+    standalone_html,
     widgets_dir,
 )
 from envoykit.request import describe_target
 
 PROMPT = "The capital of France is"
+
+# Model text is arbitrary: each of these runs a script if it ever reaches a page as HTML.
+XSS_IMG = "<img src=x onerror=window.__pwned=1>"
+XSS_SCRIPT = "</script><script>window.__pwned=2</script>"
+XSS_MODEL = "<img src=x onerror=window.__pwned=3>"
+
+
+def hostile_result() -> ek.LensResult:
+    """`LensResult.example` with markup for every piece of text: tokens, top tokens, the
+    target, the prompt and the model name."""
+    res = ek.LensResult.example()
+    vocab = {1: XSS_IMG, 2: "<b>bold</b>", 3: XSS_SCRIPT, 4: "a & b <!--"}
+    return dataclasses.replace(
+        res,
+        prompt=XSS_IMG + XSS_SCRIPT,
+        tokens=(XSS_IMG, XSS_SCRIPT),
+        top_tokens=np.vectorize(vocab.get, otypes=[object])(res.top_ids),
+        target_ids=np.array([1]),
+        target_labels=(XSS_IMG,),
+        target_tokens=(XSS_IMG,),
+        meta={"model": XSS_MODEL},
+    )
 
 
 def test_import_leaves_vllm_alone():
@@ -33,7 +62,7 @@ def test_import_leaves_vllm_alone():
 
 
 def test_widgets_dir_has_the_modules():
-    assert {"heatmap.js", "layer_picker.js", "explorer.css"} <= {
+    assert {"heatmap.js", "layer_picker.js", "standalone.js", "explorer.css"} <= {
         p.name for p in widgets_dir().iterdir()
     }
 
@@ -54,6 +83,37 @@ def test_heatmap_state_round_trip():
     view.set_state({"selected": None})
     assert view.selected is None
     assert view.get_state()["selected"] is None
+
+
+def test_plot_and_widget_share_each_metric_definition():
+    """The browser colours a metric as the matplotlib heatmap does: same limits, the same
+    colour map (sampled), the same title."""
+    res = ek.LensResult.example()
+    data = heatmap_data(res)
+    assert list(data["grids"]) == ["prob", "entropy", "kl", " z"]
+    for key, grid in data["grids"].items():
+        figure = plot.heatmap(res, key)
+        image = figure.axes[0].images[0]
+        assert (grid["vmin"], grid["vmax"]) == image.get_clim()
+        samples = image.cmap(np.linspace(0, 1, len(grid["stops"])))
+        assert grid["stops"] == [to_hex(colour) for colour in samples]
+        title = f"{grid['label']} ({grid['units']})" if grid["units"] else grid["label"]
+        assert figure.axes[1].get_ylabel() == title  # the colour bar's label
+        plt.close(figure)
+    assert data["grids"][" z"]["label"] == "p(' z')"
+    assert (data["grids"]["entropy"]["units"], data["grids"]["prob"]["units"]) == ("nats", "")
+
+
+def test_standalone_page_carries_model_text_inertly():
+    """No token, prompt or model name reaches the page as markup (the browser test opens it)."""
+    page = standalone_html(hostile_result())
+    assert "<img" not in page and "<b>" not in page and "<!--" not in page
+    # Only the page's own three scripts open and close.
+    assert len(re.findall(r"<script", page)) == len(re.findall(r"</script>", page)) == 3
+    state = re.search(r'<script type="application/json" id="ek-state">(.*?)</script>', page)
+    data = json.loads(state.group(1))["data"]
+    assert data["tokens"] == [XSS_IMG, XSS_SCRIPT]
+    assert data["grids"][XSS_IMG]["label"] == f"p({XSS_IMG!r})"
 
 
 def test_heatmap_data_sends_nan_as_null():
@@ -162,6 +222,13 @@ def test_targets_show_their_tokenization(explorer, tiny2):
             assert repr(token).replace("'", "&#x27;") in explorer.tokenization.value
 
 
+def test_typed_markup_is_shown_as_text(explorer):
+    """The tokenization is an HTML widget: a target typed as markup shows as text."""
+    explorer.targets.value = XSS_IMG
+    assert "<img" not in explorer.tokenization.value
+    assert "&lt;img" in explorer.tokenization.value
+
+
 def test_read_only_explorer(tmp_path):
     res = ek.LensResult.example()
     explorer = LensExplorer(res)
@@ -189,6 +256,6 @@ def test_read_only_explorer(tmp_path):
     back = ek.LensResult.from_json(str(tmp_path / "lens.json"))
     assert back.layers.tolist() == [0, 2]
     page = (tmp_path / "lens.html").read_text()
-    assert "ekCellCenter" in page and "</script></body>" in page
+    assert "ekCellCenter" in page and page.rstrip().endswith("</body></html>")
     with pytest.raises(ek.InvalidRequest, match="cannot export"):
         explorer.export(tmp_path / "lens.txt")

@@ -1,13 +1,9 @@
-"""`LensExplorer`: the logit lens as a JupyterLab widget, on an engine or a stored result.
+"""`LensExplorer`: the controller that ties the inputs, the views and the lens together.
 
-The browser side lives in the top-level ``widgets/`` folder as framework-free anywidget
-modules (no build step); state crosses between kernel and browser only through named
-traitlets, so every interaction can be driven and checked from Python:
-
-- `Heatmap`: ``data`` (what the canvas draws, see `heatmap_data`), ``metric``, ``selected``
-  (``[layer_index, position_index]`` or None) and ``pinned`` (token ids clicked in a tooltip).
-- `LayerPicker`: ``layers`` (one item per lens layer, see `picker_layers`) and ``selected``
-  (layer numbers).
+It owns no drawing and no JSON shaping (`views`, `payload`) and writes no files (`export`):
+it turns widget events into lens requests and results into view state. Every piece of model
+text it puts into an HTML widget (tokenizations, error messages, the engine's name) is
+escaped, since ipywidgets' HTML widget renders its value as markup.
 
 With an engine, pinning a token that is not yet a target re-runs the lens with it added, so
 its trajectory is exact. With a stored `LensResult` (read-only) nothing can be recomputed: a
@@ -20,136 +16,24 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 from pathlib import Path
 from typing import Any
 
-import anywidget
 import ipywidgets as widgets
 import numpy as np
-import traitlets
 
 from envoykit import plot
 from envoykit.errors import EnvoykitError, InvalidRequest
+from envoykit.explorer import export
+from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
+from envoykit.explorer.views import Heatmap, LayerPicker
+from envoykit.metrics import METRICS, metric_grid, metric_keys
 from envoykit.request import describe_target
 from envoykit.result import LensResult
 
-METRIC_NAMES = {"prob": "top-1 probability", "entropy": "entropy", "kl": "KL to final"}
-PROB_DECIMALS = 6
-
-
-def widgets_dir() -> Path:
-    """The folder of the browser modules: inside the package in a wheel, top-level in a checkout."""
-    import envoykit
-
-    package = Path(envoykit.__file__).parent
-    for folder in (package / "widgets", package.parent / "widgets"):
-        if (folder / "heatmap.js").is_file():
-            return folder
-    raise FileNotFoundError(f"envoykit's widgets/ folder is missing next to {package}")
-
-
-def _asset(name: str) -> str:
-    return (widgets_dir() / name).read_text()
-
-
-class Heatmap(anywidget.AnyWidget):
-    """Layers x positions of a `LensResult` on a canvas; hover, select a cell, pin tokens."""
-
-    _esm = traitlets.Unicode().tag(sync=True)
-    _css = traitlets.Unicode().tag(sync=True)
-    data = traitlets.Dict().tag(sync=True)
-    metric = traitlets.Unicode("prob").tag(sync=True)
-    selected = traitlets.List(default_value=None, allow_none=True).tag(sync=True)
-    pinned = traitlets.List(traitlets.Int()).tag(sync=True)
-
-    def __init__(self, result: LensResult | None = None, **kwargs: Any) -> None:
-        super().__init__(_esm=_asset("heatmap.js"), _css=_asset("explorer.css"), **kwargs)
-        if result is not None:
-            self.data = heatmap_data(result)
-
-
-class LayerPicker(anywidget.AnyWidget):
-    """A strip of lens layers (with their whole-valued sub-locations); click or drag to pick."""
-
-    _esm = traitlets.Unicode().tag(sync=True)
-    _css = traitlets.Unicode().tag(sync=True)
-    layers = traitlets.List(traitlets.Dict()).tag(sync=True)
-    selected = traitlets.List(traitlets.Int()).tag(sync=True)
-
-    def __init__(self, layers: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
-        super().__init__(_esm=_asset("layer_picker.js"), _css=_asset("explorer.css"), **kwargs)
-        if layers is not None:
-            self.layers = layers
-            self.selected = [item["layer"] for item in layers]
-
-
-def _json_grid(values: np.ndarray) -> list:
-    """Nested lists for JSON, rounded to what a tooltip can show; NaN becomes None."""
-    values = np.asarray(values, dtype=np.float64)
-    out = np.round(values, PROB_DECIMALS).astype(object)
-    out[~np.isfinite(values)] = None
-    return out.tolist()
-
-
-def heatmap_data(res: LensResult) -> dict[str, Any]:
-    """What the heatmap view draws: labels, the top-k ids of every cell (their text in
-    ``vocab``) and one grid per metric.
-
-    Every metric's grid is sent at once, so switching the metric needs no round trip.
-    """
-    grids = {}
-    for metric in [*METRIC_NAMES, *res.target_labels]:
-        values, label = plot.metric_values(res, metric)
-        cmap, limits = plot.METRICS.get(metric, ("target", "Greens", (0.0, 1.0)))[1:]
-        finite = values[np.isfinite(values)]
-        if limits is None:
-            limits = (float(finite.min()), float(finite.max()) or 1.0) if finite.size else (0, 1)
-        grids[metric] = {
-            "label": label,
-            "cmap": cmap,
-            "vmin": limits[0],
-            "vmax": limits[1],
-            "values": _json_grid(values),
-        }
-    return {
-        "prompt": res.prompt,
-        "layer_labels": res.layer_labels,
-        "tokens": list(res.tokens),
-        "top_ids": res.top_ids.tolist(),
-        # Each distinct token once (by id), not once per cell: a tenth of the bytes at k=10.
-        "vocab": {str(int(i)): str(t) for i, t in zip(res.top_ids.flat, res.top_tokens.flat)},
-        "top_probs": _json_grid(res.top_probs),
-        "grids": grids,
-    }
-
-
-def picker_layers(locations: list[Any]) -> list[dict[str, Any]]:
-    """Lens layers from an engine's whole-valued locations (`Engine.locations`).
-
-    Layer 0 is the embedding, layer ``i`` the output of decoder layer ``i - 1`` (0-based);
-    each carries its attention- and MLP-output locations.
-    """
-    items: dict[int, dict[str, Any]] = {}
-    for loc in locations:
-        if loc.kind == "embed":
-            items[0] = {"layer": 0, "label": "embed", "path": loc.path, "subs": []}
-        elif loc.kind == "layer":
-            n = loc.layer + 1
-            items.setdefault(n, {"layer": n, "label": str(n), "subs": []})["path"] = loc.path
-        elif loc.kind in ("attn", "mlp") and loc.layer is not None:
-            n = loc.layer + 1
-            item = items.setdefault(n, {"layer": n, "label": str(n), "path": "", "subs": []})
-            item["subs"].append({"kind": loc.kind, "path": loc.path})
-    return [items[n] for n in sorted(items)]
-
-
-def result_layers(res: LensResult) -> list[dict[str, Any]]:
-    """Picker items for a stored result: its layers, with no locations to name."""
-    return [
-        {"layer": int(n), "label": label, "path": "", "subs": []}
-        for n, label in zip(res.layers, res.layer_labels)
-    ]
+# Colours of the messages under the inputs: the theme's, with the light theme's as fallback.
+_ERROR = "var(--jp-error-color1, #c92a2a)"
+_TEXT = "var(--jp-ui-font-color1, #333)"
 
 
 class LensExplorer(widgets.VBox):
@@ -268,21 +152,7 @@ class LensExplorer(widgets.VBox):
         shown = self._shown()
         if shown is None:
             raise InvalidRequest("nothing to export yet: run the lens first")
-        path = Path(path)
-        suffix = path.suffix.lower()
-        if suffix in (".png", ".svg"):
-            import matplotlib.pyplot as plt
-
-            figure = plot.heatmap(shown, self.heatmap.metric)
-            figure.savefig(path)
-            plt.close(figure)
-        elif suffix == ".json":
-            shown.to_json(str(path))
-        elif suffix == ".html":
-            path.write_text(standalone_html(shown, self.heatmap.metric))
-        else:
-            raise InvalidRequest(f"cannot export to {suffix!r}: use .png, .svg, .json or .html")
-        return path
+        return export.save(shown, self.heatmap.metric, path)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -336,13 +206,9 @@ class LensExplorer(widgets.VBox):
         return [key for _, key in self.metric.options]
 
     def _metric_options(self) -> list[tuple[str, str]]:
-        options = [(name, key) for key, name in METRIC_NAMES.items()]
-        if self.result is not None:
-            options += [
-                (f"p({token!r})", label)
-                for label, token in zip(self.result.target_labels, self.result.target_tokens)
-            ]
-        return options
+        if self.result is None:
+            return [(metric.title, key) for key, metric in METRICS.items()]
+        return [(metric_grid(self.result, key)[1].title, key) for key in metric_keys(self.result)]
 
     def _targets_with_pins(self, typed: list[str]) -> list[str | int]:
         """Typed targets, then the pinned token ids that are not already one of them."""
@@ -355,7 +221,7 @@ class LensExplorer(widgets.VBox):
         return [*typed, *(i for i in self.heatmap.pinned if i not in typed_ids)]
 
     def _say(self, text: str, error: bool = False) -> None:
-        colour = "#c92a2a" if error else "#333"
+        colour = _ERROR if error else _TEXT
         self.message.value = (
             f'<div style="color:{colour};white-space:pre-wrap">{html.escape(text)}</div>'
             if text
@@ -371,7 +237,7 @@ class LensExplorer(widgets.VBox):
         for piece in text.split(",") if text else []:
             tokens = describe_target(self.engine.tokenizer, piece)
             if not tokens:
-                shown = "<b style='color:#c92a2a'>tokenizes to nothing</b>"
+                shown = f"<b style='color:{_ERROR}'>tokenizes to nothing</b>"
             else:
                 shown = " ".join(f"<code>{html.escape(repr(t))}</code>" for t in tokens)
                 if len(tokens) > 1:
@@ -461,53 +327,3 @@ def _token_of(res: LensResult, token_id: int) -> str:
 
 def _text_output(text: str) -> dict[str, Any]:
     return {"output_type": "stream", "name": "stdout", "text": text + "\n"}
-
-
-def standalone_html(res: LensResult, metric: str = "prob") -> str:
-    """A self-contained page drawing the interactive heatmap of ``res``: no kernel, no network.
-
-    The same ``heatmap.js`` runs against a stand-in for the anywidget model that keeps the
-    state in the page; a metric menu replaces the explorer's dropdown.
-    """
-    data = heatmap_data(res)
-    options = "".join(
-        f'<option value="{html.escape(key)}"{" selected" if key == metric else ""}>'
-        f"{html.escape(grid['label'])}</option>"
-        for key, grid in data["grids"].items()
-    )
-
-    def script_json(value: Any) -> str:
-        return json.dumps(value).replace("</", "<\\/")
-
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>logit lens: {html.escape(res.prompt[:60])}</title>
-<style>body {{ font: 13px sans-serif; margin: 16px; }}
-{_asset("explorer.css")}</style></head>
-<body><h3>Logit lens of <code>{html.escape(repr(res.prompt))}</code></h3>
-<p>{html.escape(str(res.meta.get("model", "stored result")))} ·
-metric <select id="ek-metric">{options}</select> ·
-hover a cell for its top-{res.top_ids.shape[-1]}, click it to keep the tooltip open</p>
-<div id="ek-root"></div>
-<script type="module">
-const state = {{ data: {script_json(data)}, metric: {script_json(metric)}, selected: null,
-  pinned: [] }};
-const listeners = {{}};
-const model = {{
-  get: (key) => state[key],
-  set: (key, value) => {{
-    state[key] = value;
-    (listeners["change:" + key] || []).forEach((f) => f());
-  }},
-  save_changes: () => {{}},
-  on: (event, f) => {{ (listeners[event] ||= []).push(f); }},
-  off: () => {{}},
-}};
-const source = {script_json(_asset("heatmap.js"))};
-const widget = (await import("data:text/javascript;charset=utf-8," + encodeURIComponent(source)))
-  .default;
-widget.render({{ model, el: document.getElementById("ek-root") }});
-document.getElementById("ek-metric").addEventListener("change", (event) =>
-  model.set("metric", event.target.value));
-window.ekModel = model;
-</script></body></html>
-"""

@@ -1,0 +1,28 @@
+"""The browser modules and style sheet in ``widgets/``, found and read once per process.
+
+In a checkout they sit in the top-level ``widgets/`` folder; a wheel ships them inside the
+package (``envoykit/widgets``). Widgets and the standalone export both read them through
+`asset`, so each file is read from disk once, not on every widget construction.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+
+def widgets_dir() -> Path:
+    """The folder of the browser modules: inside the package in a wheel, top-level in a checkout."""
+    import envoykit
+
+    package = Path(envoykit.__file__).parent
+    for folder in (package / "widgets", package.parent / "widgets"):
+        if (folder / "heatmap.js").is_file():
+            return folder
+    raise FileNotFoundError(f"envoykit's widgets/ folder is missing next to {package}")
+
+
+@functools.cache
+def asset(name: str) -> str:
+    """The text of ``widgets/<name>``."""
+    return (widgets_dir() / name).read_text(encoding="utf-8")

@@ -1,6 +1,14 @@
 # Two commands set everything up on a fresh machine and reuse what exists on a second run:
 #   make demo   - environment, demo model, then a logit lens on a multi-rank engine
 #   make test   - environment, browser for the widget tests, then the whole test suite
+# and one for the edit loop:
+#   make test-fast - the tests that start no vLLM engine (request validation, LensResult,
+#                    the lens's reductions and chunking, checkpoint order, doctests), in
+#                    under a minute. Tests that need an engine are marked `engine`, those
+#                    that load the demo model also `slow`; FAST_TESTS are the engine-free
+#                    places, and -m "not engine and not slow" keeps any marked test out.
+#                    A doctest cannot carry a mark: the modules whose examples start an
+#                    engine are left out by name (FAST_SKIP).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +19,10 @@ INSTALLED := $(VENV)/.installed
 PROMPT ?= The capital of France is
 TARGET ?= " Paris"
 
-.PHONY: demo test lab lint browser env
+FAST_TESTS := tests/unit tests/test_result.py envoykit
+FAST_SKIP := --ignore=envoykit/engine.py
+
+.PHONY: demo test test-fast lab lint browser env
 
 env: $(INSTALLED)
 
@@ -36,6 +47,9 @@ test: $(INSTALLED) browser
 	$(VENV)/bin/ruff check envoykit tests bench
 	$(VENV)/bin/ruff format --check envoykit tests bench
 	$(VENV)/bin/pytest
+
+test-fast: $(INSTALLED)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not engine and not slow" $(FAST_SKIP) $(FAST_TESTS)
 
 lab: $(INSTALLED)
 	$(VENV)/bin/envoykit lab

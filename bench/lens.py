@@ -71,6 +71,12 @@ def nnsight_transformers_lens(path: str, top_k: int, target: str):
     return run
 
 
+def numbers_per_cell(top_k: int, n_targets: int) -> int:
+    """What the lens needs back per (layer, position): top-k ids and probabilities, entropy
+    and KL, and each target's probability and rank."""
+    return 2 * top_k + 2 + 2 * n_targets
+
+
 def matmul(rows: int, d_model: int, vocab: int, threads: int):
     a, b = torch.randn(rows, d_model), torch.randn(d_model, vocab)
 
@@ -94,22 +100,24 @@ def main() -> None:
     args = parser.parse_args()
 
     rows: dict[str, float] = {}
+    targets = [TARGET]
     traffic = {}
     sizes = []
-    for tp in (1, args.tp):
-        with ek.Engine(args.model, tp, progress=False) as engine:
-            tp = engine.info.tp
+    tp_sizes = []  # as started: a requested None becomes the largest the machine hosts
+    for requested in (1, args.tp):
+        with ek.Engine(args.model, requested, progress=False) as engine:
             info = engine.info
-            lens = lambda: engine.lens(PROMPT, top_k=args.top_k, targets=[TARGET])  # noqa: E731
-            rows[f"envoykit lens, TP={tp}"] = median_seconds(lens, args.repeats)
-            rows[f"generate 1 token, TP={tp}"] = median_seconds(
+            tp_sizes.append(info.tp)
+            lens = lambda: engine.lens(PROMPT, top_k=args.top_k, targets=targets)  # noqa: E731
+            rows[f"envoykit lens, TP={info.tp}"] = median_seconds(lens, args.repeats)
+            rows[f"generate 1 token, TP={info.tp}"] = median_seconds(
                 lambda: engine.generate(PROMPT, 1), args.repeats
             )
             res = lens()
             n_layers, n_pos = len(res.layers), len(res.positions)
             traffic = {
                 "returned": res.meta["returned_bytes"],
-                "target": n_layers * n_pos * (2 * args.top_k + 2 + 2 * 1) * 4,
+                "target": n_layers * n_pos * numbers_per_cell(args.top_k, len(targets)) * 4,
                 "full vocab": n_layers * n_pos * info.vocab * 4,
             }
             sizes.append((n_layers * n_pos, info.d_model, info.vocab))
@@ -131,7 +139,7 @@ def main() -> None:
     hf = rows["nnsight + transformers lens"]
     floor = rows["generate 1 token, TP=1"] + rows[matmul_row]
     print("ratios")
-    for size in sorted({1, tp}):
+    for size in sorted(set(tp_sizes)):
         ours = rows[f"envoykit lens, TP={size}"]
         print(f"  envoykit TP={size} / nnsight+transformers    {ours / hf:6.2f}x  (target <= 1)")
     print(

@@ -16,6 +16,8 @@ from conftest import start
 
 import envoykit as ek
 
+pytestmark = pytest.mark.engine
+
 PROMPT = "The capital of France is"
 
 
@@ -78,21 +80,43 @@ def test_killed_rank_gives_engine_dead_then_restart_works():
         engine.close()
 
 
-def test_two_threads_are_served_one_after_the_other(tiny2):
+def test_two_threads_are_served_one_after_the_other(tiny2, monkeypatch):
+    """Two threads call `lens` at the same moment: the engine serves one request, then the
+    other. The intervals in which vLLM runs them do not overlap although the second call was
+    made while the first was running, and each thread gets the lens it gets alone."""
     prompts = ["The cat sat on the mat", "One two three four five six"]
-    expected = [tiny2.lens(p, top_k=3) for p in prompts]
-    results: dict[int, ek.LensResult] = {}
-    threads = [
-        threading.Thread(target=lambda i=i: results.__setitem__(i, tiny2.lens(prompts[i], top_k=3)))
-        for i in range(2)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    for i in range(2):
-        np.testing.assert_array_equal(results[i].top_ids, expected[i].top_ids)
-        np.testing.assert_allclose(results[i].top_probs, expected[i].top_probs, atol=1e-6)
+    lens = [lambda p=p: tiny2.lens(p, top_k=3, generate=20) for p in prompts]
+    expected = [run() for run in lens]
+    llm = tiny2.model.vllm_entrypoint
+    generate = llm.generate
+    served: list[tuple[float, float]] = []  # (start, end) of each run of the engine
+
+    def timed_generate(*args, **kwargs):
+        start = time.monotonic()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            served.append((start, time.monotonic()))
+
+    monkeypatch.setattr(llm, "generate", timed_generate)
+    barrier = threading.Barrier(2)
+    called: list[float] = []
+
+    def at_once(run):
+        barrier.wait()
+        called.append(time.monotonic())
+        return run()
+
+    calls = [call_in_thread(lambda run=run: at_once(run)) for run in lens]
+    for (thread, box), want in zip(calls, expected):
+        result, error, _ = finish(thread, box, 120)
+        assert error is None, error
+        np.testing.assert_array_equal(result.top_ids, want.top_ids)
+        np.testing.assert_allclose(result.top_probs, want.top_probs, rtol=0, atol=1e-6)
+    assert len(served) == 2, served
+    first, second = sorted(served)
+    assert max(called) < first[1], "the calls did not overlap: nothing was left to serialise"
+    assert first[1] <= second[0], f"the engine ran both requests at once: {served}"
 
 
 def test_interrupt_during_lens_leaves_engine_usable(tiny2):
@@ -119,6 +143,7 @@ def peak_rss_since_reset(process: psutil.Process) -> int:
     return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
 
 
+@pytest.mark.slow
 def test_lens_beyond_memory_is_chunked(demo3):
     """Unchunked, this lens's full-vocab temporaries (logits, log-probs, scratch) would take
     gigabytes on every rank; chunked, each rank's peak memory grows by about the budget."""

@@ -1,0 +1,171 @@
+"""Merged column layers in checkpoint order, and the fragment rules every worker installs.
+
+No engine: the layers are vLLM's own classes made without their constructor (which needs a
+distributed group), given the four attributes the reordering reads. Each rank's piece is
+cut from a checkpoint-order tensor by vLLM's sharding rule, written out here on its own: a
+rank holds its share of the query heads, and of the KV heads — or, with more ranks than KV
+heads, one KV head shared by ``num_kv_head_replicas`` neighbouring ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+from envoykit.envoys import CheckpointOrderFragments, _rank_piece, _to_checkpoint_order
+
+TOKENS = 3
+
+
+def qkv_layer(n_heads: int, n_kv: int, head_dim: int, tp: int, rank: int) -> QKVParallelLinear:
+    layer = QKVParallelLinear.__new__(QKVParallelLinear)
+    kv_per_rank = max(1, n_kv // tp)
+    layer.output_partition_sizes = [n_heads // tp * head_dim] + [kv_per_rank * head_dim] * 2
+    layer.num_kv_head_replicas = max(1, tp // n_kv)
+    layer.tp_size, layer.tp_rank = tp, rank
+    return layer
+
+
+def merged_layer(sizes: list[int], tp: int, rank: int) -> MergedColumnParallelLinear:
+    layer = MergedColumnParallelLinear.__new__(MergedColumnParallelLinear)
+    layer.output_partition_sizes = [size // tp for size in sizes]
+    layer.tp_size, layer.tp_rank = tp, rank
+    return layer
+
+
+def checkpoint_tensor(width: int) -> torch.Tensor:
+    """``[tokens, width]`` of distinct values, so any misplaced column shows."""
+    return torch.arange(TOKENS * width, dtype=torch.float32).reshape(TOKENS, width)
+
+
+def qkv_piece(whole: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, tp: int, rank: int):
+    """Rank ``rank``'s ``[q_r | k_r | v_r]`` of a checkpoint-order ``[q | k | v]``."""
+    q, k, v = whole.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    q_heads = n_heads // tp
+    kv_heads = max(1, n_kv // tp)
+    kv_shard = rank // max(1, tp // n_kv)
+    return torch.cat(
+        [
+            q[:, rank * q_heads * head_dim : (rank + 1) * q_heads * head_dim],
+            k[:, kv_shard * kv_heads * head_dim : (kv_shard + 1) * kv_heads * head_dim],
+            v[:, kv_shard * kv_heads * head_dim : (kv_shard + 1) * kv_heads * head_dim],
+        ],
+        dim=-1,
+    )
+
+
+def merged_piece(whole: torch.Tensor, sizes: list[int], tp: int, rank: int) -> torch.Tensor:
+    parts = whole.split(sizes, dim=-1)
+    return torch.cat(
+        [p[:, rank * (s // tp) : (rank + 1) * (s // tp)] for p, s in zip(parts, sizes)], -1
+    )
+
+
+QKV_SHAPES = [  # (query heads, KV heads, head width, TP)
+    (4, 4, 8, 1),
+    (4, 4, 8, 2),  # tiny at TP=2
+    (4, 2, 8, 2),  # grouped-query attention
+    (9, 3, 4, 3),  # demo at TP=3
+    (4, 2, 8, 4),  # each KV head on two ranks
+    (8, 1, 4, 4),  # one KV head on every rank
+]
+
+
+@pytest.mark.parametrize(
+    "shape", QKV_SHAPES, ids=[f"h{s[0]}-kv{s[1]}-tp{s[3]}" for s in QKV_SHAPES]
+)
+class TestQKV:
+    def test_gathered_pieces_in_checkpoint_order(self, shape):
+        n_heads, n_kv, head_dim, tp = shape
+        whole = checkpoint_tensor((n_heads + 2 * n_kv) * head_dim)
+        gathered = torch.cat([qkv_piece(whole, *shape, rank) for rank in range(tp)], dim=-1)
+        for rank in range(tp):  # every rank reorders alike
+            assert torch.equal(_to_checkpoint_order(qkv_layer(*shape, rank), gathered), whole)
+
+    def test_each_rank_cuts_its_own_piece(self, shape):
+        n_heads, n_kv, head_dim, tp = shape
+        whole = checkpoint_tensor((n_heads + 2 * n_kv) * head_dim)
+        for rank in range(tp):
+            assert torch.equal(
+                _rank_piece(qkv_layer(*shape, rank), whole), qkv_piece(whole, *shape, rank)
+            )
+
+
+@pytest.mark.parametrize(
+    ("sizes", "tp"), [([16, 16], 2), ([16, 16], 4), ([8, 24], 2), ([6, 6, 12], 3)]
+)
+def test_merged_column_round_trip(sizes, tp):
+    whole = checkpoint_tensor(sum(sizes))
+    pieces = [merged_piece(whole, sizes, tp, rank) for rank in range(tp)]
+    gathered = torch.cat(pieces, dim=-1)
+    assert torch.equal(_to_checkpoint_order(merged_layer(sizes, tp, 0), gathered), whole)
+    for rank in range(tp):
+        assert torch.equal(_rank_piece(merged_layer(sizes, tp, rank), whole), pieces[rank])
+
+
+def test_values_of_another_width_pass_unchanged():
+    """Only a value as wide as the whole layer is reordered; a rank's own piece is not."""
+    layer = qkv_layer(4, 2, 8, 2, 1)
+    piece = checkpoint_tensor(sum(layer.output_partition_sizes))
+    assert _to_checkpoint_order(layer, piece) is piece
+    assert _rank_piece(layer, piece) is piece
+
+
+def gpu_runner() -> object:
+    """The runner `EnvoykitGPUWorker` ends up with; nnsight's part of ``init_device`` (CUDA
+    set-up, then vLLM's runner re-classed to nnsight's) is stood in for."""
+    from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+    from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+
+    from envoykit.gpu import EnvoykitGPUWorker
+
+    def nnsight_init_device(worker):
+        worker.model_runner = NNsightGPUModelRunner.__new__(NNsightGPUModelRunner)
+
+    worker = EnvoykitGPUWorker.__new__(EnvoykitGPUWorker)
+    with mock.patch.object(NNsightGPUWorker, "init_device", nnsight_init_device):
+        worker.init_device()
+    return worker.model_runner
+
+
+def cpu_runner() -> object:
+    from envoykit.cpu import NNsightCPUModelRunner
+
+    return NNsightCPUModelRunner.__new__(NNsightCPUModelRunner)
+
+
+@pytest.mark.parametrize("make_runner", [gpu_runner, cpu_runner], ids=["gpu", "cpu"])
+def test_runner_loads_with_checkpoint_order_fragments(make_runner):
+    """The runner each worker builds makes its interleaver with `CheckpointOrderFragments`
+    (nnsight's ``load_model`` names ``VLLMFragments`` as a module global), and puts the
+    name back afterwards."""
+    from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+
+    module = importlib.import_module(NNsightGPUModelRunner.__module__)
+    original = module.VLLMFragments
+    seen = []
+    runner = make_runner()
+    with mock.patch.object(
+        NNsightGPUModelRunner, "load_model", lambda self, *a, **k: seen.append(module.VLLMFragments)
+    ):
+        runner.load_model()
+    assert seen == [CheckpointOrderFragments]
+    assert module.VLLMFragments is original
+
+
+def test_envoys_map_is_platform_neutral():
+    """The map, the fragment rules and the GPU worker import nothing CPU-specific."""
+    code = (
+        "import sys, envoykit.envoys as e; e.envoys_map(); import envoykit.gpu; "
+        "print(sorted(m for m in sys.modules if m.startswith('envoykit') or 'cpu_worker' in m))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "'envoykit.gpu'" in out.stdout
+    assert "envoykit.cpu" not in out.stdout
+    assert "cpu_worker" not in out.stdout

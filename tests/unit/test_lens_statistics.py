@@ -1,0 +1,183 @@
+"""The lens's reductions, on a toy norm and head, against a direct float64 computation.
+
+What runs on every rank (`envoykit.lens.lens_statistics`) is plain torch once it is handed a
+norm, a head and the per-layer streams: here the norm is a fused add-norm in miniature that
+writes its sum into its input, as vLLM's may, and the head a bias-free linear layer. The
+reference shares no code with envoykit: probabilities from ``softmax``, entropy and KL from
+``torch.distributions``, top-k and ranks from a full sort.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributions import Categorical, kl_divergence
+
+from envoykit import lens
+
+D_MODEL, VOCAB, N_POS, TOP_K = 16, 37, 6, 5
+TARGETS = [3, 11, 36]
+EPS = 1e-6
+
+
+class ToyAddNorm(torch.nn.Module):
+    """``norm(x)`` or ``norm(x, residual) -> (norm(x + residual), x + residual)``, the sum
+    written into ``x`` in place as vLLM's fused kernel may do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(D_MODEL, generator=seeded(1)) + 0.5)
+
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x.add_(residual)
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * self.weight
+        return normed if residual is None else (normed, x)
+
+
+class CountingHead(torch.nn.Linear):
+    """The unembedding, counting its calls (each is one chunk of layers)."""
+
+    def __init__(self) -> None:
+        super().__init__(D_MODEL, VOCAB, bias=False)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(VOCAB, D_MODEL, generator=seeded(2)) * 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def toy_streams(n_layers: int = 4) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The embedding (a lone vector) then one ``(hidden, residual)`` pair per layer."""
+    g = seeded(3)
+    streams = [(torch.randn(N_POS, D_MODEL, generator=g), None)]
+    for _ in range(n_layers):
+        streams.append(
+            (torch.randn(N_POS, D_MODEL, generator=g), torch.randn(N_POS, D_MODEL, generator=g))
+        )
+    return streams
+
+
+def statistics(
+    streams,
+    positions=None,
+    top_k=TOP_K,
+    targets=TARGETS,
+    dtype=torch.float32,
+    budget=None,
+    head=None,
+):
+    """The one call of `lens_statistics` every test goes through, as a rank makes it:
+    ``(norm, head, streams, positions, top_k, targets, vocab, dtype, budget=...)``;
+    ``budget=None`` leaves the default (no chunking at these sizes)."""
+    head = head if head is not None else CountingHead()
+    kwargs = {} if budget is None else {"budget": budget}
+    with torch.no_grad():
+        return lens.lens_statistics(
+            ToyAddNorm(), head, streams, positions, top_k, targets, VOCAB, dtype, **kwargs
+        )
+
+
+def reference(streams, positions=None, top_k=TOP_K, targets=TARGETS) -> dict[str, torch.Tensor]:
+    """The same statistics computed directly in float64."""
+    norm, head = ToyAddNorm().double(), CountingHead().double()
+    logits = []
+    with torch.no_grad():
+        for hidden, residual in streams:
+            x = hidden.double() if residual is None else hidden.double() + residual.double()
+            x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * norm.weight
+            logits.append(x @ head.weight.T)
+    logits = torch.stack(logits)
+    if positions is not None:
+        logits = logits[:, positions]
+    layer, final = Categorical(logits=logits), Categorical(logits=logits[-1].expand_as(logits))
+    probs = torch.softmax(logits, -1)
+    order = torch.argsort(logits, dim=-1, descending=True)
+    ids = torch.tensor(targets, dtype=torch.long)
+    # A target's rank: where it sits in the sorted vocabulary (no ties in random logits).
+    ranks = (order.unsqueeze(-1) == ids).int().argmax(-2)
+    return {
+        "top_ids": order[..., :top_k],
+        "top_probs": probs.gather(-1, order[..., :top_k]),
+        "entropy": layer.entropy(),
+        "kl": kl_divergence(final, layer),
+        "target_probs": probs[..., ids],
+        "target_ranks": ranks,
+    }
+
+
+def assert_matches(got: dict, want: dict, atol: float) -> None:
+    assert set(got) == set(want)
+    for key in ("top_ids", "target_ranks"):
+        assert torch.equal(got[key].long(), want[key].long()), key
+    for key in ("top_probs", "entropy", "kl", "target_probs"):
+        assert got[key].shape == want[key].shape, key
+        torch.testing.assert_close(got[key].double(), want[key], atol=atol, rtol=1e-6, msg=key)
+
+
+class TestAgainstDirectComputation:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+    def test_every_statistic(self, dtype):
+        streams = toy_streams()
+        assert_matches(statistics(streams, dtype=dtype), reference(streams), 2e-5)
+
+    def test_picked_positions(self):
+        streams, positions = toy_streams(), torch.tensor([1, 4, 5])
+        got = statistics(streams, positions)
+        assert got["entropy"].shape == (len(streams), 3)
+        assert_matches(got, reference(streams, positions), 2e-5)
+
+    def test_final_layer_has_zero_kl(self):
+        assert torch.all(statistics(toy_streams())["kl"][-1] == 0)
+
+    def test_no_targets(self):
+        got = statistics(toy_streams(), targets=[])
+        assert got["target_probs"].shape == got["target_ranks"].shape == (5, N_POS, 0)
+
+    def test_streams_left_unchanged(self):
+        """The fused add-norm writes into its input: the model's own tensors must not see it."""
+        streams = toy_streams()
+        before = [(h.clone(), None if r is None else r.clone()) for h, r in streams]
+        statistics(streams)
+        for (h, r), (h0, r0) in zip(streams, before):
+            assert torch.equal(h, h0) and (r is None or torch.equal(r, r0))
+
+
+class TestChunking:
+    """Any memory budget gives the statistics of one unembedding call."""
+
+    def test_one_call_by_default(self):
+        head = CountingHead()
+        statistics(toy_streams(), head=head)
+        assert head.calls == 1
+
+    # One layer's full-vocab logits, log-probs and probs, in float32 bytes.
+    LAYER_BYTES = N_POS * VOCAB * 4 * 3
+
+    @pytest.mark.parametrize(
+        ("budget", "calls"),
+        [(1, 5), (2 * LAYER_BYTES, 3), (3 * LAYER_BYTES, 2), (5 * LAYER_BYTES, 1)],
+        ids=["1-byte", "2-layers", "3-layers", "5-layers"],
+    )
+    def test_any_budget_gives_the_same_statistics(self, budget, calls):
+        streams = toy_streams()
+        whole = statistics(streams)
+        head = CountingHead()
+        chunked = statistics(streams, budget=budget, head=head)
+        assert head.calls == calls  # really chunked (5 layers: 2+2+1, 3+2, ...)
+        for key in ("top_ids", "target_ranks"):
+            assert torch.equal(chunked[key], whole[key]), key
+        # A GEMM over fewer rows may round differently: float32 noise (KL reaches ~30 nats).
+        for key in ("top_probs", "entropy", "kl", "target_probs"):
+            torch.testing.assert_close(chunked[key], whole[key], atol=1e-6, rtol=1e-6, msg=key)
+
+    def test_chunked_with_positions_matches_reference(self):
+        streams, positions = toy_streams(6), torch.tensor([0, 2, 5])
+        got = statistics(streams, positions, budget=1)
+        assert_matches(got, reference(streams, positions), 2e-5)

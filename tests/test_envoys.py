@@ -3,13 +3,12 @@
 Every property is checked at TP=1 and TP=2 on ``tiny``; the unembedding also on a model with
 tied embeddings and one with a logit soft-cap. Tolerances: the last layer's unembedding
 equals the model's own logits exactly (float32); an intermediate layer equals plain
-transformers to 1e-4 relative; TP=2 equals TP=1 to 1e-5 relative.
+transformers to 1e-4 relative; TP=2 equals TP=1 to 1e-5 relative. The checkpoint-order
+arithmetic and the fragment rules each worker installs are also checked without an engine
+(`tests/unit/test_checkpoint_order.py`).
 """
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from reference import lens_logits
 
 import envoykit as ek
 from envoykit.lens import _at
+
+pytestmark = pytest.mark.engine
 
 PROMPT = "The capital of France is"
 
@@ -183,16 +184,3 @@ class TestLocations:
         paths = {loc.path for loc in locations}
         assert "model.layers.0.mlp.act_fn" not in paths
         assert "model.layers.0.self_attn.attn" not in paths
-
-
-def test_envoys_map_is_platform_neutral():
-    """The map and the fragment rules import nothing CPU-specific; the GPU worker exists."""
-    code = (
-        "import sys, envoykit.envoys as e; e.envoys_map(); import envoykit.gpu as g; "
-        "assert all(hasattr(g.EnvoykitGPUWorker, m) for m in ('collect_nnsight', "
-        "'nnsight_request_count', 'nnsight_register', 'nnsight_clear_registered')); "
-        "print(sorted(m for m in sys.modules if m.startswith('envoykit') or 'cpu_worker' in m))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "envoykit.cpu" not in out.stdout
-    assert "cpu_worker" not in out.stdout

@@ -455,6 +455,7 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
     print(f"read-only explorer in JupyterLab: {time.monotonic() - started:.1f} s")
 
 
+@pytest.mark.engine
 def test_explorer_in_jupyterlab(browser, tmp_path):
     work = tmp_path / "work"
     work.mkdir()

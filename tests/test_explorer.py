@@ -124,6 +124,7 @@ def test_heatmap_data_sends_nan_as_null():
     assert data["grids"]["entropy"]["values"][0][0] is None
 
 
+@pytest.mark.engine
 def test_layer_picker_offers_whole_valued_layers(tiny2):
     locations = tiny2.locations()
     items = picker_layers(locations)
@@ -145,6 +146,7 @@ def explorer(tiny2):
     return LensExplorer(tiny2, prompt=PROMPT, targets=[" Paris"], top_k=5)
 
 
+@pytest.mark.engine
 def test_run_fills_the_heatmap(explorer, tiny2):
     n = tiny2.info.n_layers
     explorer.picker.set_state({"selected": [0, 1, n]})
@@ -168,6 +170,7 @@ def test_run_fills_the_heatmap(explorer, tiny2):
     assert explorer.trajectory_targets == [" Paris"]
 
 
+@pytest.mark.engine
 def test_select_and_pin_update_the_trajectory(explorer):
     res = explorer.run()
     assert res.tokens[-1] in explorer.trajectory_figure.axes[0].get_title()
@@ -191,6 +194,7 @@ def test_select_and_pin_update_the_trajectory(explorer):
     assert new_id in explorer.result.target_ids.tolist()
 
 
+@pytest.mark.engine
 def test_bad_input_shows_an_error_and_stays_usable(explorer):
     good = explorer.run()
     explorer.prompt.value = "   "
@@ -215,6 +219,7 @@ def test_bad_input_shows_an_error_and_stays_usable(explorer):
     assert explorer.message.value == ""
 
 
+@pytest.mark.engine
 def test_targets_show_their_tokenization(explorer, tiny2):
     explorer.targets.value = " Paris, London"
     for piece in (" Paris", " London"):
@@ -222,6 +227,7 @@ def test_targets_show_their_tokenization(explorer, tiny2):
             assert repr(token).replace("'", "&#x27;") in explorer.tokenization.value
 
 
+@pytest.mark.engine
 def test_typed_markup_is_shown_as_text(explorer):
     """The tokenization is an HTML widget: a target typed as markup shows as text."""
     explorer.targets.value = XSS_IMG

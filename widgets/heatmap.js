@@ -186,6 +186,8 @@ function render({ model, el }) {
     redraw();
   }
 
+  // The legend and the canvas, after the data or the metric changed (a scroll or a theme
+  // switch repaints the canvas alone).
   function redraw() {
     const g = grid();
     legend.replaceChildren(...(g ? legendNodes(g) : []));

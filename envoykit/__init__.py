@@ -5,11 +5,13 @@ and return whole tensors; a logit lens runs on the ranks and ships back only wha
 """
 
 from envoykit import plot
+from envoykit.attribution_result import AttributionResult
 from envoykit.engine import Engine, ModelInfo
 from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest, ShardedValue
 from envoykit.result import LensResult, TargetTrace
 
 __all__ = [
+    "AttributionResult",
     "Engine",
     "EngineDead",
     "EnvoykitError",

@@ -1,4 +1,4 @@
-"""The ``envoykit`` command: ``info``, ``lens`` and ``lab``.
+"""The ``envoykit`` command: ``info``, ``lens``, ``attribute`` and ``lab``.
 
 Engines need the ``if __name__ == "__main__"`` guard vLLM's spawned ranks expect; a console
 script's entry point provides it.
@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     lens.add_argument("--top-k", type=int, default=10)
     lens.add_argument("--out", type=Path, default=Path("lens.png"), help="figure (.png/.svg)")
     lens.add_argument("--json", type=Path, help="also write the LensResult as JSON")
+    lens.add_argument(
+        "--sites",
+        default="resid",
+        help="comma-separated lens sites: resid, resid_mid, attn, mlp (default: resid)",
+    )
+
+    attribute = commands.add_parser(
+        "attribute", help="direct logit attribution of a target at the last position"
+    )
+    attribute.add_argument("prompt")
+    _engine_options(attribute)
+    attribute.add_argument("--target", action="append", required=True, help="one token")
+    attribute.add_argument("--out", type=Path, default=Path("attribution.png"))
+    attribute.add_argument("--json", type=Path, help="also write the AttributionResult")
 
     lab = commands.add_parser("lab", help="JupyterLab on notebooks/, bound to 127.0.0.1")
     lab.add_argument("--port", type=int, default=8888)
@@ -41,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         with Engine(args.model, args.tp, dtype=args.dtype) as engine:
             if args.command == "info":
                 _print_info(engine, args.prompt)
+            elif args.command == "attribute":
+                _print_attribution(engine, args)
             else:
                 _print_lens(engine, args)
     except EnvoykitError as error:
@@ -62,20 +80,41 @@ def _print_info(engine, prompt: str) -> None:
 
 
 def _print_lens(engine, args: argparse.Namespace) -> None:
-    res = engine.lens(args.prompt, layers=["embed", "all"], top_k=args.top_k, targets=args.target)
+    sites = [site.strip() for site in args.sites.split(",") if site.strip()]
+    res = engine.lens(
+        args.prompt, layers=["embed", "all"], top_k=args.top_k, targets=args.target, sites=sites
+    )
     info = engine.info
     print(f"logit lens of {args.prompt!r} on {info.name}, {info.tp} {info.platform} ranks")
     print(f"top-1 next token per layer at the last position ({res.tokens[-1]!r}):")
     traces = [res.target(t) for t in res.target_labels]
-    for i, (layer, token, prob) in enumerate(res.top1(-1)):
+    for i, (label, (_, token, prob)) in enumerate(zip(res.layer_labels, res.top1(-1))):
         extra = "".join(
             f"   p({t.token!r})={t.prob[i, -1]:.3f} rank {t.rank[i, -1] + 1}" for t in traces
         )
-        label = "embed" if layer == 0 else layer
-        print(f"  layer {label:>5}: {token!r:<16} p={prob:.3f}{extra}")
+        print(f"  layer {label:>7}: {token!r:<16} p={prob:.3f}{extra}")
     figure = res.plot()
     figure.savefig(args.out, dpi=120)
     print(f"heatmap written to {args.out}")
+    if args.json:
+        res.to_json(str(args.json))
+        print(f"result written to {args.json}")
+
+
+def _print_attribution(engine, args: argparse.Namespace) -> None:
+    from envoykit import plot
+
+    res = engine.attribute(args.prompt, args.target, positions=[-1])
+    info = engine.info
+    print(f"direct logit attribution of {args.prompt!r} on {info.name}, {info.tp} rank(s)")
+    for n, token in enumerate(res.target_tokens):
+        values = res.values[:, 0, n]
+        order = np.argsort(-np.abs(values))[:5]
+        top = ", ".join(f"{res.components[i]} {values[i]:+.2f}" for i in order)
+        print(f"  logit({token!r}) = {res.logits[0, n]:.2f}; largest: {top}")
+    figure = plot.attribution(res, res.target_labels[0])
+    figure.savefig(args.out, dpi=120)
+    print(f"figure written to {args.out}")
     if args.json:
         res.to_json(str(args.json))
         print(f"result written to {args.json}")

@@ -17,13 +17,17 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envoykit import logs, models, platform
 from envoykit.errors import EngineDead, InvalidRequest
 from envoykit.janitor import Janitor
+from envoykit.readout import Readout
+
+if TYPE_CHECKING:
+    from envoykit.attribution_result import AttributionResult
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Enough KV cache for a few prompts of max_model_len tokens on the built-in models.
@@ -164,7 +168,10 @@ class Engine:
         segments = sorted(os.path.join(_SHM, name) for name in _mapped_segments(processes))
         watcher = Janitor([p.pid for p in self._processes], [*segments, scratch])
         self._finalizer = weakref.finalize(self, _shutdown, llm, processes, watcher, scratch)
-        self._find_paths(llm._module)
+        # Everything the engine runs, nnsight traces included, goes through one guard. Held
+        # weakly: the engine must stay collectable (its finalizer closes the ranks).
+        guard = weakref.WeakMethod(self._request)
+        llm.request_guard = lambda: (guard() or contextlib.nullcontext)()
         steps.set_description(f"{self._source.name}: ready")
         steps.update()
         steps.close()
@@ -196,26 +203,6 @@ class Engine:
             )
             steps.update()
         return llm
-
-    def _find_paths(self, meta_model: Any) -> None:
-        """Where the decoder layers, the final norm and the unembedding live in this model."""
-        from envoykit.envoys import decoder_layers, unembedding_module
-
-        self.layers_path, _ = decoder_layers(meta_model)
-        parent_path = self.layers_path.rpartition(".")[0]
-        parent = meta_model.get_submodule(parent_path) if parent_path else meta_model
-        norms = [name for name, _ in parent.named_children() if "norm" in name]
-        if not norms:
-            raise InvalidRequest(f"{type(meta_model).__name__} has no final norm beside its layers")
-        self.final_norm_path = f"{parent_path}.{norms[-1]}" if parent_path else norms[-1]
-        head = unembedding_module(meta_model)
-        self.unembedding_path = next(
-            name
-            for name, module in meta_model.named_modules(remove_duplicate=False)
-            if module is head
-        )
-        if hasattr(meta_model, "lm_head"):
-            self.unembedding_path = "lm_head"
 
     def close(self) -> None:
         """Stop every rank and the engine core; free their shared memory. Idempotent."""
@@ -277,8 +264,17 @@ class Engine:
             max_model_len=self._max_model_len,
         )
 
+    @property
+    def readout(self) -> Readout:
+        """Where this model's decoder layers, final norm and unembedding live."""
+        return self.model.readout
+
     def trace(self, *prompts: Any, **kwargs: Any) -> Any:
-        """nnsight's trace on this engine; greedy and one new token unless told otherwise."""
+        """nnsight's trace on this engine; greedy and one new token unless told otherwise.
+
+        Its run is serialised with every other request and guarded like `lens`: a dead
+        engine raises `EngineDead`, an interrupt aborts what it left in flight.
+        """
         kwargs.setdefault("temperature", 0.0)
         kwargs.setdefault("max_tokens", 1)
         return self.model.trace(*prompts, **kwargs)
@@ -292,15 +288,19 @@ class Engine:
         top_k: int = 10,
         targets: Any = (),
         generate: int = 0,
-        dtype: str | None = None,
+        sites: str | Sequence[str] = ("resid",),
+        reduce_dtype: str = "float32",
     ) -> Any:
         """Logit lens of ``prompt`` in one forward pass, reduced on the ranks.
 
         ``layers``: None/"all" (decoder layers 1..n), numbers (negative from the end), a
-        range, and/or "embed" (layer 0). ``targets``: strings (their first token) or token
-        ids. ``generate=N`` also lenses the N greedily generated tokens. ``dtype``: precision
-        of the reductions ("float32", or "float64"). A list of prompts gives a list of
-        results (one trace).
+        range, and/or "embed" (layer 0). ``sites``: any of "resid" (after the layer),
+        "resid_mid" (between its attention and MLP), "attn" and "mlp" (what that block
+        writes, normalised on its own: see `envoykit.lens`); one row per layer and site.
+        ``targets``: strings (their first token) or token ids. ``generate=N`` also lenses
+        the N greedily generated tokens. ``reduce_dtype``: precision of the reductions on
+        the ranks ("float32", or "float64"). A list of prompts gives a list of results
+        (one trace).
 
         Returns a `LensResult` (a list of them for a list of prompts).
         """
@@ -318,11 +318,39 @@ class Engine:
             top_k=top_k,
             targets=targets,
             generate=generate,
-            dtype=dtype,
+            sites=sites,
+            reduce_dtype=reduce_dtype,
         )
-        with self._request():
-            results = lens.run(self, req)
+        if any(site != "resid" for _, site in req.rows):
+            self.readout.require_sublayers()
+        results = lens.run(self.model, self.readout, req, self._result_meta())
         return results if isinstance(prompt, (list, tuple)) else results[0]
+
+    def attribute(
+        self,
+        prompt: str,
+        targets: str | int | Sequence[str | int],
+        *,
+        positions: int | Sequence[int] | None = None,
+    ) -> AttributionResult:
+        """Direct logit attribution: how much the embedding and each layer's attention and
+        MLP write into each target's final logit, at each position (see
+        `envoykit.attribution`). Targets must be single tokens (strings or ids).
+
+        Returns an `AttributionResult` whose ``values.sum(0)`` equals its ``logits``.
+        """
+        from envoykit import attribution
+
+        info = self.info
+        req = attribution.build_request(
+            self.tokenizer, info.vocab, info.max_model_len, prompt, targets, positions
+        )
+        return attribution.run(self.model, self.readout, req, self._result_meta())
+
+    def _result_meta(self) -> dict[str, Any]:
+        """What every result records about the engine that produced it."""
+        info = self.info
+        return {"model": info.name, "tp": info.tp, "dtype": info.dtype, "vocab": info.vocab}
 
     def locations(self) -> list:
         """Every location whose value is whole at any TP size (`envoykit.envoys.Location`)."""

@@ -32,7 +32,10 @@ CPU-specific: the CPU and GPU workers install the same rules.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -65,8 +68,14 @@ class EnvoykitVLLM(VLLM):
 
     The shard guard's entries are exact module paths, found on the structure-only tree
     that ``_load`` builds; the envoy tree is built from the map right after, so the paths
-    are added to the same map object in between.
+    are added to the same map object in between. The model's `Readout` is found on that
+    tree too, before any rank starts, so a model envoykit cannot read fails fast.
+
+    ``request_guard`` wraps every run of the engine (a trace as much as a lens): the owning
+    `Engine` puts its lock, its `EngineDead` translation and its interrupt handling there.
     """
+
+    request_guard: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     def __init__(self, *args: Any, worker_cls: str, tensor_parallel_size: int, **kwargs: Any):
         self._WORKER_CLS = worker_cls
@@ -76,6 +85,19 @@ class EnvoykitVLLM(VLLM):
             *args, envoys=self._envoys_map, tensor_parallel_size=tensor_parallel_size, **kwargs
         )
 
+    def __getstate__(self) -> dict:
+        # Trace code ships this envoy to the ranks by value; the guard is the owner's.
+        state = super().__getstate__()
+        state.pop("request_guard", None)
+        return state
+
+    def _load_meta(self, repo_id: str, **kwargs: Any) -> torch.nn.Module:
+        from envoykit.readout import Readout
+
+        meta_model = super()._load_meta(repo_id, **kwargs)
+        self.readout = Readout.find(meta_model)
+        return meta_model
+
     def _load(self, repo_id: str, **kwargs: Any) -> torch.nn.Module:
         meta_model = super()._load(repo_id, **kwargs)
         if self._split > 1:
@@ -84,11 +106,12 @@ class EnvoykitVLLM(VLLM):
 
     def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
         """nnsight's call without vLLM's per-call progress bars (two per lens in a notebook)."""
-        mediators = self._attach_mediators(params, **kwargs)
-        outputs = self.vllm_entrypoint.generate(
-            prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
-        )
-        self._collect(mediators, outputs)
+        with self.request_guard():
+            mediators = self._attach_mediators(params, **kwargs)
+            outputs = self.vllm_entrypoint.generate(
+                prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
+            )
+            self._collect(mediators, outputs)
         return outputs
 
     @staticmethod
@@ -136,6 +159,20 @@ class UnembedEnvoy(ParallelEnvoy):
                 "integer token ids; unembed hidden states with model.lm_head(...)"
             )
         return root.logits_processor(self._module, value)
+
+    def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Whole rows ``[n, d_model]`` of the unembedding matrix for ``token_ids``, any TP.
+
+        Direct logit attribution needs the targets' rows, not full-vocab logits. They are a
+        vocab-parallel lookup in the head's own weight: each rank looks up the ids it holds,
+        the others give zeros, one all-reduce sums them. That is the embedding's forward;
+        vLLM's ``ParallelLMHead`` refuses its own (the weight is meant for the sampler), so
+        the base class's forward is called on the head directly.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        module = unembedding_module(self.root._module)
+        return VocabParallelEmbedding.forward(module, token_ids)
 
 
 def unembedding_module(root: torch.nn.Module) -> torch.nn.Module:

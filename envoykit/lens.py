@@ -1,29 +1,37 @@
 """The logit lens, computed on the ranks: what runs inside the trace, and what comes back.
 
-For each picked layer the residual stream after it goes through the model's final norm the
-way vLLM computes its own last step — the fused add-norm on the layer's ``(hidden,
-residual)`` pair — so the last layer's lens equals the model's logits exactly, in bfloat16 as
-in float32. All picked layers are stacked into one ``[layers * positions, d_model]`` matrix and
-unembedded in one call (one GEMM, one vocab all-gather), chunked only when the full-vocab
-logits would pass a memory budget. Every rank then reduces the logits alike — top-k, target
-probability and rank, entropy, KL to the final layer — and only those ``O(layers * positions *
-k)`` numbers are saved; the full-vocab tensor never leaves the ranks.
+A lens row is a (layer, site) pair. Sites (see `envoykit.readout` for where they are read):
+
+* ``resid`` — the residual stream after the layer: its ``(hidden, residual)`` pair goes
+  through the model's final norm the way vLLM computes its own last step (the fused
+  add-norm), so the last layer's lens equals the model's logits exactly, in bfloat16 as in
+  float32;
+* ``resid_mid`` — the stream between the attention and the MLP block, normalised the same
+  way from the MLP pre-norm's ``(attn_out, resid_pre)`` inputs;
+* ``attn`` / ``mlp`` — what one block writes into the stream, **on its own**: the lone vector
+  goes through the final norm by itself (scaled by its own RMS, then the norm's gain) and the
+  head. This shows which tokens the block's write points towards, not how much it moves the
+  final logits; `envoykit.attribution` measures that, with the final stream's scale frozen.
+
+All rows are stacked into one ``[rows * positions, d_model]`` matrix and unembedded in one
+call (one GEMM, one vocab all-gather), chunked only when the full-vocab logits would pass a
+memory budget. Every rank then reduces the logits alike — top-k, target probability and rank,
+entropy, KL to the final layer — and only those ``O(rows * positions * k)`` numbers are saved;
+the full-vocab tensor never leaves the ranks.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from envoykit.request import LensRequest
+from envoykit.readout import Readout, at
+from envoykit.request import SITES, LensRequest, Row
 from envoykit.result import LensResult
-
-if TYPE_CHECKING:
-    from envoykit.engine import Engine
 
 # Full-vocab float32 logits (and their log-softmax) per unembedding call stay under this.
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
@@ -40,9 +48,10 @@ def lens_statistics(
     dtype: torch.dtype = torch.float32,
     budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> dict[str, torch.Tensor]:
-    """Reduce the lens of ``streams`` (one ``(hidden, residual)`` per layer) on this rank.
+    """Reduce the lens of ``streams`` (one ``(hidden, residual)`` per row) on this rank.
 
-    The last stream is the final layer: KL is measured against its distribution. Returns CPU
+    A row without a residual is a lone vector, normalised by itself. The last stream is the
+    final layer: KL is measured against its distribution. Returns CPU
     tensors: ``top_ids``/``top_probs`` ``[layers, positions, k]``, ``entropy``/``kl``
     ``[layers, positions]``, ``target_probs``/``target_ranks`` ``[layers, positions, targets]``
     (rank 0 = the most likely token).
@@ -109,44 +118,60 @@ def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
 
 
 def run(
-    engine: Engine, request: LensRequest, budget: int = DEFAULT_MEMORY_BUDGET
+    model: Any,
+    readout: Readout,
+    request: LensRequest,
+    meta: dict[str, Any],
+    budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> list[LensResult]:
-    """Run ``request`` in one trace (one invoke per prompt); one `LensResult` per prompt.
+    """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt.
 
     With ``generate=N`` the trace runs N+1 steps: the prompt's prefill, then each generated
     token as it is fed back, so every position in the result is an input token and its lens
-    shows what the model predicts next there.
+    shows what the model predicts next there. ``meta`` (model name, TP size, dtype) is
+    recorded in every result.
     """
     import nnsight
 
-    model = engine.model
-    layer_list = _at(model, engine.layers_path)
-    norm = _at(model, engine.final_norm_path)
-    head = _at(model, engine.unembedding_path)
-    n_layers = engine.info.n_layers
-    # The final layer is always computed (KL is measured against it) and dropped if unpicked.
-    stream_layers = sorted({*request.layers, n_layers} - {0})
-    embed = 0 in request.layers
+    rows = computed_rows(request.rows, readout.n_layers)
+    by_layer = _sites_by_layer(rows)
+    layer_list = at(model, readout.layers)
+    norm = at(model, readout.final_norm)
+    head = at(model, readout.unembedding)
+    prenorm = readout.mlp_prenorm
     positions = None if request.positions is None else torch.tensor(request.positions)
     target_ids = [t.token_id for t in request.targets]
-    vocab = engine.info.vocab
+    vocab = meta["vocab"]
     reduce_dtype = getattr(torch, request.reduce_dtype)
     top_k, steps_wanted = request.top_k, request.generate + 1
-    with engine.trace(max_tokens=steps_wanted) as tracer:
+    with model.trace(temperature=0.0, max_tokens=steps_wanted) as tracer:
         for prompt in request.prompts:
             with tracer.invoke(prompt):
                 steps = nnsight.save([])
                 samples = nnsight.save([])
                 for step in tracer.iter[:steps_wanted]:
                     streams = []
-                    if embed:
-                        args, kwargs = layer_list[0].inputs
-                        streams.append(
-                            (args[1] if len(args) > 1 else kwargs["hidden_states"], None)
-                        )
-                    for number in stream_layers:
-                        output = layer_list[number - 1].output
-                        streams.append((output[0], output[1]))
+                    for number, sites in by_layer:
+                        if number == 0:
+                            args, kwargs = layer_list[0].inputs
+                            embedded = args[1] if len(args) > 1 else kwargs["hidden_states"]
+                            streams.append((embedded.clone(), None))
+                            continue
+                        layer = layer_list[number - 1]
+                        if "attn" in sites or "resid_mid" in sites:
+                            # Cloned where read: the fused add-norm may overwrite its inputs.
+                            written, before = getattr(layer, prenorm).inputs[0][:2]
+                            written, before = written.clone(), before.clone()
+                            if "attn" in sites:
+                                streams.append((written, None))
+                            if "resid_mid" in sites:
+                                streams.append((written, before))
+                        hidden, residual = layer.output[:2]
+                        hidden, residual = hidden.clone(), residual.clone()
+                        if "mlp" in sites:
+                            streams.append((hidden, None))
+                        if "resid" in sites:
+                            streams.append((hidden, residual))
                     steps.append(
                         lens_statistics(
                             norm,
@@ -164,32 +189,36 @@ def run(
     if len(request.prompts) == 1:
         steps, samples = [steps], [samples]
     return [
-        _assemble(engine, request, i, prompt_steps, prompt_samples, stream_layers, embed)
+        _assemble(model.tokenizer, request, meta, i, prompt_steps, prompt_samples, rows)
         for i, (prompt_steps, prompt_samples) in enumerate(zip(steps, samples))
     ]
 
 
-def _at(root: Any, path: str) -> Any:
-    envoy = root
-    for part in path.split("."):
-        envoy = getattr(envoy, part)
-    return envoy
+def computed_rows(rows: Sequence[Row], n_layers: int) -> list[Row]:
+    """The rows a trace computes, in the order the model produces them: the picked ones plus
+    the final layer's stream (KL is measured against it), which therefore comes last."""
+    return sorted({*rows, (n_layers, "resid")}, key=lambda row: (row[0], SITES.index(row[1])))
+
+
+def _sites_by_layer(rows: list[Row]) -> list[tuple[int, set[str]]]:
+    layers: dict[int, set[str]] = {}
+    for layer, site in rows:
+        layers.setdefault(layer, set()).add(site)
+    return sorted(layers.items())
 
 
 def _assemble(
-    engine: Engine,
+    tokenizer: Any,
     request: LensRequest,
+    meta: dict[str, Any],
     index: int,
     steps: list[dict[str, torch.Tensor]],
     samples: list[torch.Tensor],
-    stream_layers: list[int],
-    embed: bool,
+    computed: list[Row],
 ) -> LensResult:
     """Join the steps along positions, drop the unpicked final layer, label everything."""
-    tokenizer = engine.tokenizer
     stats = {key: torch.cat([step[key] for step in steps], dim=1).numpy() for key in steps[0]}
-    computed = ([0] if embed else []) + stream_layers
-    keep = [computed.index(layer) for layer in request.layers]
+    keep = [computed.index(row) for row in request.rows]
     stats = {key: value[keep] for key, value in stats.items()}
     prompt_ids = list(request.prompt_ids[index])
     generated = [int(s.flatten()[0]) for s in samples[: request.generate]]
@@ -212,7 +241,8 @@ def _assemble(
         token_ids=token_ids,
         tokens=distinct_labels([tokenizer.decode([int(i)]) for i in token_ids], positions),
         positions=np.array(positions),
-        layers=np.array(request.layers),
+        layers=np.array([layer for layer, _ in request.rows]),
+        sites=tuple(site for _, site in request.rows),
         top_ids=top_ids.astype(np.int64),
         top_tokens=top_tokens,
         top_probs=stats["top_probs"].astype(np.float32),
@@ -225,9 +255,10 @@ def _assemble(
         target_ranks=stats["target_ranks"].astype(np.int64),
         n_generated=len(generated),
         meta={
-            "model": engine.info.name,
-            "tp": engine.info.tp,
-            "dtype": engine.info.dtype,
+            "model": meta["model"],
+            "tp": meta["tp"],
+            "dtype": meta["dtype"],
+            "lens": "logit",
             "returned_bytes": sum(t.numel() * t.element_size() for s in steps for t in s.values()),
         },
     )

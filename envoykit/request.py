@@ -15,6 +15,10 @@ from envoykit.errors import InvalidRequest
 
 LayerSpec = int | str | range | Sequence[int | str] | None
 REDUCE_DTYPES = ("float32", "float64")
+# Where in a layer a lens row reads the model, in the order the model computes them.
+SITES = ("attn", "resid_mid", "mlp", "resid")
+# A lens row: (layer number, site); layer 0 (the embedding) has only "resid".
+Row = tuple[int, str]
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class LensRequest:
     prompts: tuple[str, ...]
     prompt_ids: tuple[tuple[int, ...], ...]
     layers: tuple[int, ...]
+    rows: tuple[Row, ...]
     positions: tuple[int, ...] | None
     top_k: int
     targets: tuple[Target, ...]
@@ -50,9 +55,10 @@ def build_request(
     top_k: int = 10,
     targets: str | int | Sequence[str | int] = (),
     generate: int = 0,
-    dtype: str | None = None,
+    sites: str | Sequence[str] = ("resid",),
+    reduce_dtype: str = "float32",
 ) -> LensRequest:
-    prompts = _prompts(prompt)
+    prompts = normalise_prompts(prompt)
     generate = _count("generate", generate, minimum=0)
     prompt_ids = tuple(tuple(tokenizer(p)["input_ids"]) for p in prompts)
     for text, ids in zip(prompts, prompt_ids):
@@ -67,14 +73,15 @@ def build_request(
     top_k = _count("top_k", top_k, minimum=1)
     if top_k > vocab:
         raise InvalidRequest(f"top_k={top_k} exceeds the vocabulary size ({vocab})")
-    reduce_dtype = dtype or "float32"
     if reduce_dtype not in REDUCE_DTYPES:
-        raise InvalidRequest(f"dtype must be one of {REDUCE_DTYPES}, not {dtype!r}")
+        raise InvalidRequest(f"reduce_dtype must be one of {REDUCE_DTYPES}, not {reduce_dtype!r}")
+    picked = normalise_layers(layers, n_layers)
     return LensRequest(
         prompts=prompts,
         prompt_ids=prompt_ids,
-        layers=normalise_layers(layers, n_layers),
-        positions=_positions(positions, min(len(ids) for ids in prompt_ids)),
+        layers=picked,
+        rows=lens_rows(picked, normalise_sites(sites)),
+        positions=normalise_positions(positions, min(len(ids) for ids in prompt_ids)),
         top_k=top_k,
         targets=tuple(_target(tokenizer, vocab, t) for t in _as_list(targets)),
         generate=generate,
@@ -82,7 +89,7 @@ def build_request(
     )
 
 
-def _prompts(prompt: Any) -> tuple[str, ...]:
+def normalise_prompts(prompt: Any) -> tuple[str, ...]:
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise InvalidRequest(
@@ -142,7 +149,36 @@ def normalise_layers(layers: LayerSpec, n_layers: int) -> tuple[int, ...]:
     return tuple(sorted(picked))
 
 
-def _positions(positions: Any, length: int) -> tuple[int, ...] | None:
+def normalise_sites(sites: str | Sequence[str]) -> tuple[str, ...]:
+    """Distinct sites in the model's order; `InvalidRequest` naming the valid ones."""
+    picked = set(_as_list(sites))
+    unknown = sorted(str(site) for site in picked - set(SITES))
+    if unknown:
+        raise InvalidRequest(
+            f"unknown site(s) {', '.join(map(repr, unknown))}: a site is one of {SITES} "
+            "('resid' after the layer, 'resid_mid' between attention and MLP, 'attn'/'mlp' "
+            "what that block writes)"
+        )
+    if not picked:
+        raise InvalidRequest(f"no sites picked: give one or more of {SITES}")
+    return tuple(site for site in SITES if site in picked)
+
+
+def lens_rows(layers: Sequence[int], sites: Sequence[str]) -> tuple[Row, ...]:
+    """Every (layer, site) pair, sorted as the model computes them; the embedding (layer 0)
+    is a stream with no blocks, so only its 'resid' row exists."""
+    rows = tuple(
+        (layer, site) for layer in layers for site in sites if layer > 0 or site == "resid"
+    )
+    if not rows:
+        raise InvalidRequest(
+            f"layers {list(layers)} have none of the sites {list(sites)}: the embedding "
+            "(layer 0) has only the 'resid' site"
+        )
+    return rows
+
+
+def normalise_positions(positions: Any, length: int) -> tuple[int, ...] | None:
     if positions is None:
         return None
     picked = set()
@@ -172,6 +208,20 @@ def _target(tokenizer: Any, vocab: int, target: Any) -> Target:
     if not ids:
         raise InvalidRequest(f"target {target!r} tokenizes to nothing: give a non-empty token")
     return Target(label=target, token_id=ids[0], token=tokenizer.decode([ids[0]]))
+
+
+def single_token_target(tokenizer: Any, vocab: int, target: Any) -> Target:
+    """A target that is exactly one token: a string of several tokens is refused, with its
+    tokenization shown, where taking its first token would silently answer another question
+    (attribution of a logit is per token)."""
+    if isinstance(target, str):
+        pieces = describe_target(tokenizer, target)
+        if len(pieces) > 1:
+            raise InvalidRequest(
+                f"target {target!r} is {len(pieces)} tokens ({pieces}): give one token, e.g. "
+                f"{pieces[0]!r}, or its token id"
+            )
+    return _target(tokenizer, vocab, target)
 
 
 def describe_target(tokenizer: Any, text: str) -> list[str]:

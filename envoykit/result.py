@@ -6,8 +6,8 @@ shapes against each other, value ranges — so an inconsistent result cannot exi
 are read-only copies and its ``meta`` a read-only mapping: nothing that holds a result (a
 plot, a widget, a notebook cell) can change what another holder sees.
 
-Rows are indexed by layer (``layers``), columns by sequence position (``positions``).
-`select` picks by those labels; `take` picks by index into the arrays.
+Rows are (layer, site) pairs (``layers``, ``sites``), columns sequence positions
+(``positions``). `select` picks by those labels; `take` picks by index into the arrays.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from typing import Any
 import numpy as np
 
 from envoykit.errors import InvalidRequest
+from envoykit.request import SITES
+
+# How a row's label names its site: layer 12's rows are "12.attn", "12.mid", "12.mlp", "12".
+SITE_SUFFIXES = {"attn": ".attn", "resid_mid": ".mid", "mlp": ".mlp", "resid": ""}
 
 # How far outside its valid range a statistic may fall by float rounding in the code that
 # computed it (a probability of 1.0000001, an entropy of -1e-7). Such values are kept as they
@@ -69,6 +73,11 @@ class LensResult:
         tokens: ``[P]`` decoded tokens, made distinct (``"the#5"``) where one repeats.
         positions: ``[P]`` sequence position of each column, strictly increasing.
         layers: ``[L]`` layer number of each row (0 = embedding).
+        sites: ``[L]`` where in its layer each row reads the model: ``"resid"`` (after the
+            layer), ``"resid_mid"`` (between attention and MLP), ``"attn"`` or ``"mlp"``
+            (what that block writes); see `envoykit.lens`. Rows are labelled ``"12"``,
+            ``"12.mid"``, ``"12.attn"``, ``"12.mlp"`` (`layer_labels`). All ``"resid"`` when
+            not given.
         top_ids: ``[L, P, k]`` the k most likely next tokens, most likely first.
         top_tokens: ``[L, P, k]`` those tokens, decoded.
         top_probs: ``[L, P, k]`` their probabilities, non-increasing along ``k``.
@@ -112,6 +121,7 @@ class LensResult:
     target_ranks: np.ndarray
     n_generated: int = 0
     meta: Mapping[str, Any] = field(default_factory=dict)
+    sites: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self._freeze()
@@ -137,6 +147,11 @@ class LensResult:
             if bad:
                 raise ValueError(f"LensResult.{name} must hold strings, not {bad[0]!r}")
             object.__setattr__(self, name, value)
+        sites = tuple(self.sites) or ("resid",) * len(self.layers)
+        unknown = sorted({str(site) for site in sites} - set(SITES))
+        if unknown:
+            raise ValueError(f"LensResult.sites holds unknown sites {unknown}: sites are {SITES}")
+        object.__setattr__(self, "sites", sites)
         if isinstance(self.n_generated, bool) or not isinstance(self.n_generated, Integral):
             raise ValueError(f"LensResult.n_generated must be an integer, not {self.n_generated!r}")
         object.__setattr__(self, "n_generated", int(self.n_generated))
@@ -149,6 +164,7 @@ class LensResult:
         expected = {
             "positions": (n_pos,),
             "layers": (n_layers,),
+            "sites": (n_layers,),
             "token_ids": (n_pos,),
             "target_ids": (n_targets,),
             "top_ids": (n_layers, n_pos, k),
@@ -172,6 +188,11 @@ class LensResult:
                 raise ValueError(
                     f"LensResult.{name} has {len(getattr(self, name))} entries, expected {size}"
                 )
+        rows = list(zip(self.layers.tolist(), self.sites))
+        if len(set(rows)) != len(rows):
+            raise ValueError("LensResult rows must be distinct (layer, site) pairs")
+        if any(layer == 0 and site != "resid" for layer, site in rows):
+            raise ValueError("LensResult: layer 0 (the embedding) has only the 'resid' site")
         if len(set(self.tokens)) != len(self.tokens):
             raise ValueError("LensResult.tokens must be distinct labels")
         if not 0 <= self.n_generated <= n_pos:
@@ -203,7 +224,11 @@ class LensResult:
 
     @property
     def layer_labels(self) -> list[str]:
-        return ["embed" if layer == 0 else str(int(layer)) for layer in self.layers]
+        """One label per row: ``"embed"``, ``"12"``, ``"12.mid"``, ``"12.attn"``, ``"12.mlp"``."""
+        return [
+            "embed" if layer == 0 else f"{int(layer)}{SITE_SUFFIXES[site]}"
+            for layer, site in zip(self.layers, self.sites)
+        ]
 
     def target(self, which: str | int) -> TargetTrace:
         """The trace of one target, by the label it was asked with, its token text or its id."""
@@ -236,19 +261,28 @@ class LensResult:
         self,
         layers: int | Sequence[int] | None = None,
         positions: int | Sequence[int] | None = None,
+        sites: str | Sequence[str] | None = None,
     ) -> LensResult:
-        """A result restricted to some layers and positions, named by their values.
+        """A result restricted to some layers, positions and sites, named by their values.
 
         ``layers`` are layer numbers (values of ``self.layers``): the rows come in the order
         asked, each with every row of that layer. ``positions`` are sequence positions
         (values of ``self.positions``): on a result with positions ``[3, 7]``,
-        ``positions=[3]`` keeps the first column. Columns stay in sequence order. A value the
-        result does not hold raises ``KeyError`` naming those it does. `take` selects by index.
+        ``positions=[3]`` keeps the first column. Columns stay in sequence order. ``sites``
+        keeps the rows of those sites. A value the result does not hold raises ``KeyError``
+        naming those it does. `take` selects by index.
         """
         layer_index = None
         if layers is not None:
             wanted = _values("layers", layers, self.layers)
             layer_index = [i for layer in wanted for i in np.flatnonzero(self.layers == layer)]
+        if sites is not None:
+            wanted_sites = [sites] if isinstance(sites, str) else list(sites)
+            missing = [site for site in wanted_sites if site not in self.sites]
+            if missing:
+                raise KeyError(f"sites {missing} are not in this result: {sorted(set(self.sites))}")
+            rows = range(len(self.layers)) if layer_index is None else layer_index
+            layer_index = [i for i in rows if self.sites[i] in wanted_sites]
         position_index = None
         if positions is not None:
             wanted = _values("positions", positions, self.positions)
@@ -296,6 +330,8 @@ class LensResult:
         frame = pd.DataFrame(
             {
                 "layer": self.layers[li.ravel()],
+                "site": np.array(self.sites, dtype=object)[li.ravel()],
+                "row": np.array(self.layer_labels, dtype=object)[li.ravel()],
                 "position": self.positions[pi.ravel()],
                 "input_token": np.array(self.tokens, dtype=object)[pi.ravel()],
                 "rank": ri.ravel(),
@@ -356,9 +392,9 @@ class LensResult:
 
     def _repr_html_(self) -> str:
         rows = "".join(
-            f"<tr><td>{'embed' if layer == 0 else layer}</td><td><code>{html.escape(repr(tok))}"
+            f"<tr><td>{label}</td><td><code>{html.escape(repr(tok))}"
             f"</code></td><td>{prob:.3f}</td></tr>"
-            for layer, tok, prob in self.top1(-1)
+            for label, (_, tok, prob) in zip(self.layer_labels, self.top1(-1))
         )
         where = html.escape(repr(self.tokens[-1]))
         return (
@@ -416,7 +452,7 @@ _ARRAY_FIELDS: dict[str, tuple[str, Any]] = {
 _TEXT_FIELDS = ("tokens", "target_labels", "target_tokens")
 # What `take` cuts along rows, along columns, and along both. A field labelling rows (one
 # entry per layer row) goes in _ROW_FIELDS, an array or a tuple alike.
-_ROW_FIELDS = ("layers",)
+_ROW_FIELDS = ("layers", "sites")
 _COLUMN_FIELDS = ("token_ids", "tokens", "positions")
 _GRID_FIELDS = (
     "top_ids",

@@ -61,3 +61,80 @@ def module_output(path: str, prompt: str, module_path: str) -> torch.Tensor:
     finally:
         handle.remove()
     return captured[0][0]
+
+
+@torch.no_grad()
+def sublayer_streams(path: str, prompt: str) -> dict[str, torch.Tensor]:
+    """Per decoder layer, ``[n_layers, positions, d_model]``: the stream between attention
+    and MLP (``resid_mid``, the input of the MLP's pre-norm), the attention block's write
+    (``attn``) and the MLP block's write (``mlp``); plus the embedding and the final stream.
+
+    Read with forward hooks on the modules transformers runs: the MLP pre-norm is
+    ``pre_feedforward_layernorm`` where the layer has one (Gemma 2), else
+    ``post_attention_layernorm``; the blocks' writes are the outputs of ``self_attn`` and
+    ``mlp`` (Gemma 2: of the norms that follow them).
+    """
+    model, tokenizer = load(path)
+    ids = tokenizer(prompt)["input_ids"]
+    found: dict[str, list[torch.Tensor]] = {"resid_mid": [], "attn": [], "mlp": []}
+    handles = []
+
+    def keep(name, take):
+        return lambda module, args, output: found[name].append(take(args, output)[0])
+
+    for layer in model.model.layers:
+        gemma = hasattr(layer, "pre_feedforward_layernorm")
+        prenorm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+        handles.append(prenorm.register_forward_hook(keep("resid_mid", lambda a, o: a[0])))
+        attn = layer.post_attention_layernorm if gemma else layer.self_attn
+        mlp = layer.post_feedforward_layernorm if gemma else layer.mlp
+        first = lambda a, o: o[0] if isinstance(o, tuple) else o  # noqa: E731
+        handles.append(attn.register_forward_hook(keep("attn", first)))
+        handles.append(mlp.register_forward_hook(keep("mlp", first)))
+    final: list[torch.Tensor] = []
+    handles.append(model.model.norm.register_forward_hook(lambda m, a, o: final.append(a[0][0])))
+    embedded: list[torch.Tensor] = []
+    handles.append(
+        model.model.layers[0].register_forward_pre_hook(
+            lambda m, a, k: embedded.append((a[0] if a else k["hidden_states"])[0]),
+            with_kwargs=True,
+        )
+    )
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = {name: torch.stack(values) for name, values in found.items()}
+    return {**out, "embed": embedded[0], "final": final[0]}
+
+
+@torch.no_grad()
+def sublayer_logits(path: str, prompt: str, site: str) -> torch.Tensor:
+    """``[n_layers, positions, vocab]`` lens logits of one sub-layer site, each row through
+    the final norm on its own, the head and the soft-cap, as transformers computes them."""
+    model, _ = load(path)
+    logits = model.lm_head(model.model.norm(sublayer_streams(path, prompt)[site]))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+@torch.no_grad()
+def attribution(path: str, prompt: str, targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Direct logit attribution ``[1 + 2 * n_layers, positions, targets]`` (embed, attn 1,
+    mlp 1, …) with the final norm's scale frozen on the final stream, and the pre-soft-cap
+    logits ``[positions, targets]``, in float32 transformers."""
+    model, _ = load(path)
+    streams = sublayer_streams(path, prompt)
+    norm = model.model.norm
+    gain = norm.weight + 1 if "Gemma" in type(norm).__name__ else norm.weight
+    final = streams["final"]
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    scale = torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + eps)
+    parts = [streams["embed"]]
+    for attn, mlp in zip(streams["attn"], streams["mlp"]):
+        parts += [attn, mlp]
+    rows = model.lm_head.weight[targets]
+    values = (torch.stack(parts) * scale * gain) @ rows.T
+    logits = model.lm_head(norm(final))[:, targets]
+    return values, logits

@@ -16,7 +16,7 @@ from conftest import start
 from reference import lens_logits
 
 import envoykit as ek
-from envoykit.lens import _at
+from envoykit.readout import at
 
 pytestmark = pytest.mark.engine
 
@@ -29,9 +29,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def unembed_layer(engine: ek.Engine, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``unembed(norm(hidden, residual))`` after decoder layer ``layer`` (1-based); logits."""
-    layers = _at(engine.model, engine.layers_path)
-    norm = _at(engine.model, engine.final_norm_path)
-    head = _at(engine.model, engine.unembedding_path)
+    readout = engine.readout
+    layers = at(engine.model, readout.layers)
+    norm = at(engine.model, readout.final_norm)
+    head = at(engine.model, readout.unembedding)
     with engine.trace(PROMPT):
         hidden, residual = layers[layer - 1].output
         lens = head(norm(hidden.clone(), residual.clone())[0]).save()

@@ -17,6 +17,8 @@ from reference import lens_logits
 
 import envoykit as ek
 
+pytestmark = pytest.mark.engine
+
 PROMPT = "The capital of France is"
 TOL = 1e-4
 
@@ -115,7 +117,7 @@ class TestRequestShapes:
         assert res.top_ids.shape == (3, 2, 3)
         full = tiny2.lens(PROMPT, layers="all", top_k=3)
         np.testing.assert_allclose(
-            res.top_probs, full.select([1, 3, 4], [0, -1]).top_probs, atol=1e-6
+            res.top_probs, full.select([1, 3, 4], res.positions.tolist()).top_probs, atol=1e-6
         )
 
     def test_several_prompts_one_result_each(self, tiny2):

@@ -25,6 +25,17 @@ def res() -> ek.LensResult:
     return ek.LensResult.example()
 
 
+def sited_result() -> ek.LensResult:
+    """The example's rows relabelled as the embedding plus three sites of layer 1."""
+    data = ek.LensResult.example().to_dict()
+    for name in ("top_ids", "top_tokens", "top_probs", "entropy", "kl"):
+        data[name] = [data[name][i] for i in (0, 1, 2, 2)]
+    for name in ("target_probs", "target_ranks"):
+        data[name] = [data[name][i] for i in (0, 1, 2, 2)]
+    data.update(layers=[0, 1, 1, 1], sites=["resid", "attn", "resid_mid", "resid"])
+    return ek.LensResult.from_dict(data)
+
+
 def sparse_result(seed: int = 0) -> ek.LensResult:
     """A result whose labels are not indices: layers [0, 2, 4], positions [3, 7, 9, 10] (the
     last one generated), two targets, plausible random statistics."""
@@ -279,9 +290,22 @@ class TestSelect:
         np.testing.assert_array_equal(sub.top_ids, res.top_ids[[2, 0]])
         np.testing.assert_array_equal(sub.top_tokens, res.top_tokens[[2, 0]])
 
-    def test_a_layer_brings_every_row_it_labels(self, res):
-        repeated = res.select(layers=[0, 1, 2, 1])
-        assert repeated.select(layers=1).layers.tolist() == [1, 1]
+    def test_a_layer_brings_every_row_it_labels(self):
+        res = sited_result()
+        assert res.layer_labels == ["embed", "1.attn", "1.mid", "1"]
+        assert res.select(layers=1).layer_labels == ["1.attn", "1.mid", "1"]
+        assert res.select(sites="resid").layer_labels == ["embed", "1"]
+        assert res.select(layers=[1], sites=["attn", "resid"]).sites == ("attn", "resid")
+        with pytest.raises(KeyError, match="sites \\['mlp'\\] are not in this result"):
+            res.select(sites=["mlp"])
+
+    def test_rows_are_distinct_and_the_embedding_has_one_site(self, res):
+        with pytest.raises(ValueError, match="distinct"):
+            res.take(layer_index=[0, 1, 1])
+        with pytest.raises(ValueError, match="only the 'resid' site"):
+            dataclasses.replace(res, sites=("attn", "resid", "resid"))
+        with pytest.raises(ValueError, match="unknown sites"):
+            dataclasses.replace(res, sites=("resid", "ffn", "resid"))
 
     def test_missing_layer_names_the_available_ones(self):
         with pytest.raises(KeyError, match=r"layers \[1\] are not in .* \[0, 2, 4\]"):
@@ -321,8 +345,8 @@ class TestSelect:
 class TestTransforms:
     def test_stride_keeps_last_layer(self, res):
         assert res.stride(2).layers.tolist() == [0, 2]
-        longer = res.select(layers=[0, 1, 2, 1])
-        assert longer.stride(3).layers.tolist() == [0, 1]  # rows 0 and 3 (the last)
+        longer = sited_result()
+        assert longer.stride(3).layer_labels == ["embed", "1"]  # rows 0 and 3 (the last)
         with pytest.raises(ek.InvalidRequest, match="stride must be"):
             res.stride(0)
 

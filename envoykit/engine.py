@@ -323,7 +323,10 @@ class Engine:
         )
         if any(site != "resid" for _, site in req.rows):
             self.readout.require_sublayers()
-        results = lens.run(self.model, self.readout, req, self._result_meta())
+        # The whole trace under the guard, not only its run: nnsight cannot build two traces
+        # on one model from two threads at once.
+        with self._request():
+            results = lens.run(self.model, self.readout, req, self._result_meta())
         return results if isinstance(prompt, (list, tuple)) else results[0]
 
     def attribute(
@@ -345,7 +348,8 @@ class Engine:
         req = attribution.build_request(
             self.tokenizer, info.vocab, info.max_model_len, prompt, targets, positions
         )
-        return attribution.run(self.model, self.readout, req, self._result_meta())
+        with self._request():
+            return attribution.run(self.model, self.readout, req, self._result_meta())
 
     def _result_meta(self) -> dict[str, Any]:
         """What every result records about the engine that produced it."""

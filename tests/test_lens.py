@@ -142,7 +142,8 @@ class TestRequestShapes:
 
         info = tiny2.info
         req = request.build_request(tiny2.tokenizer, info.n_layers, info.vocab, 256, PROMPT)
-        whole = lens.run(tiny2, req)[0]
-        one_layer_per_call = lens.run(tiny2, req, budget=1)[0]
+        args = (tiny2.model, tiny2.readout, req, tiny2._result_meta())
+        whole = lens.run(*args)[0]
+        one_layer_per_call = lens.run(*args, budget=1)[0]
         np.testing.assert_array_equal(whole.top_ids, one_layer_per_call.top_ids)
         np.testing.assert_allclose(whole.kl, one_layer_per_call.kl, atol=1e-6)

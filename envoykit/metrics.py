@@ -19,11 +19,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envoykit.result import LensResult, TargetTrace
+if TYPE_CHECKING:  # types only: results draw through this module, so it must not import them
+    from envoykit.result import LensResult, TargetTrace
 
 # Colour-map samples sent to the browser, which interpolates linearly between them: with 16
 # the largest difference from matplotlib's own 256-entry maps is a few levels out of 255.

@@ -8,13 +8,15 @@ the top-1 probability, the entropy, the KL to the final layer, or a target's pro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envoykit.attribution_result import AttributionResult
 from envoykit.metrics import metric_grid, text_colour
-from envoykit.result import LensResult
+
+if TYPE_CHECKING:  # types only: `LensResult.plot` imports this module, not the other way
+    from envoykit.attribution_result import AttributionResult
+    from envoykit.result import LensResult
 
 
 def heatmap(

@@ -10,10 +10,11 @@ arithmetic and the fragment rules each worker installs are also checked without 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import start
-from reference import lens_logits
+from reference import attribution, lens_logits, sublayer_logits
 
 import envoykit as ek
 from envoykit.readout import at
@@ -185,3 +186,34 @@ class TestLocations:
         paths = {loc.path for loc in locations}
         assert "model.layers.0.mlp.act_fn" not in paths
         assert "model.layers.0.self_attn.attn" not in paths
+
+
+class TestSublayerReadoutOnVariants:
+    """Sub-layer sites and attribution read the right places on every architecture: tied
+    embeddings (the head is the embedding), Gemma 2 (its own MLP pre-norm, ``1 + weight``
+    norms, a logit soft-cap)."""
+
+    TARGETS = (5, 17, 101)
+
+    @pytest.mark.parametrize("tp", [1, 2])
+    def test_resid_mid_matches_transformers(self, variant_engines, tp):
+        engine = variant_engines[tp]
+        res = engine.lens(PROMPT, sites=["resid_mid"], top_k=1, targets=list(self.TARGETS))
+        reference = torch.softmax(sublayer_logits(engine.info.path, PROMPT, "resid_mid"), -1)
+        np.testing.assert_allclose(
+            res.target_probs, reference[..., list(self.TARGETS)].numpy(), atol=1e-4
+        )
+
+    @pytest.mark.parametrize("tp", [1, 2])
+    def test_attribution_sums_to_the_pre_cap_logit(self, variant_engines, tp):
+        engine = variant_engines[tp]
+        att = engine.attribute(PROMPT, list(self.TARGETS))
+        values, logits = attribution(engine.info.path, PROMPT, list(self.TARGETS))
+        scale = float(logits.abs().max())
+        np.testing.assert_allclose(att.values.sum(0), att.logits, atol=1e-4 * scale)
+        np.testing.assert_allclose(att.values, values.numpy(), atol=1e-4 * scale)
+        cap = att.meta["soft_cap"]
+        capped = cap * np.tanh(att.logits / cap) if cap else att.logits
+        np.testing.assert_allclose(att.model_logits, capped, atol=1e-5 * scale)
+        final = lens_logits(engine.info.path, PROMPT)[0][-1][:, list(self.TARGETS)]
+        np.testing.assert_allclose(att.model_logits, final.numpy(), atol=1e-4 * scale)

@@ -2,8 +2,10 @@
 
 One test runs `LensExplorer` on a 2-rank ``tiny`` engine inside a JupyterLab kernel and
 checks, against the values the kernel itself holds, that the tooltip shows the cell's top-k,
-that a click reaches the kernel as a selection and that pinning a token re-runs the lens and
-redraws the trajectory. Others open the standalone HTML export with no kernel at all, and a
+that a click reaches the kernel as a selection and opens the attribution panel at its
+position, that pinning a token re-runs the lens and redraws the trajectory, and that
+sub-layer sites picked in the layer picker (a click, a drag) come back as labelled heatmap
+rows whose cells attribute too. Others open the standalone HTML export with no kernel at all, and a
 stored result whose every text is markup, read-only in JupyterLab and in the export: it must
 show as text and run nothing, in the light and the dark theme. Screenshots land in
 ``artifacts/``.
@@ -455,6 +457,83 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
     print(f"read-only explorer in JupyterLab: {time.monotonic() - started:.1f} s")
 
 
+def center(box: dict[str, float]) -> tuple[float, float]:
+    return box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+
+
+def pick_sites_and_run(page: Any, state: Callable[[], dict], run_button: Any) -> list[str]:
+    """In the layer picker, click the last layer's attention row and drag along the "mid"
+    line across every decoder layer, then Run; the heatmap's rows as the kernel holds them."""
+    n = len(state()["result"]["layer_labels"]) - 1  # every layer is picked at first
+    picker = page.locator(".ek-picker")
+    picker.evaluate("root => root.scrollIntoView({block: 'center'})")
+    picker.locator(f'.ek-cell[data-layer="{n}"][data-site="attn"]').click()
+    first = picker.locator('.ek-cell[data-layer="1"][data-site="resid_mid"]').bounding_box()
+    last = picker.locator(f'.ek-cell[data-layer="{n}"][data-site="resid_mid"]').bounding_box()
+    page.mouse.move(*center(first))
+    page.mouse.down()
+    page.mouse.move(*center(last), steps=8)
+    page.mouse.up()
+    sites = [[i, "resid_mid"] for i in range(1, n)] + [[n, "attn"], [n, "resid_mid"]]
+    wait_for(lambda: state().get("selected_sites") == sites, 30, "the picked sites")
+    assert picker.locator(".ek-cell.ek-on").count() == (n + 1) + len(sites)
+    # A line's name picks the whole line, and a second click drops it again.
+    line = picker.locator('.ek-line[data-line="mlp"]')
+    line.click()
+    with_mlp = sorted(sites + [[i, "mlp"] for i in range(1, n + 1)], key=lambda row: row[0])
+    wait_for(lambda: state().get("selected_sites") == with_mlp, 30, "the whole mlp line")
+    line.click()
+    wait_for(lambda: state().get("selected_sites") == sites, 30, "the mlp line dropped")
+
+    run_button.click()
+    wait_for(
+        lambda: f"{n}.attn" in (state().get("result") or {}).get("layer_labels", []),
+        120,
+        "the lens of the picked sites",
+    )
+    wait_for(run_button.is_enabled, 60, "the Run button to come back")
+    labels = state()["result"]["layer_labels"]
+    expected = ["embed"]
+    for i in range(1, n):
+        expected += [f"{i}.mid", str(i)]
+    expected += [f"{n}.attn", f"{n}.mid", str(n)]
+    assert labels == expected
+    return labels
+
+
+def attribute_a_cell(page: Any, state: Callable[[], dict], label: str, target: int) -> int:
+    """Hover the first cell of heatmap row ``label`` (its tooltip names the row), click it and
+    check the attribution panel follows: position 0, token ``target``. The row's index."""
+    res = state()["result"]
+    row = res["layer_labels"].index(label)
+    tip = hover_cell(page, row, 0)
+    head = page.locator(".ek-tooltip .ek-tip-head").inner_text()
+    assert head.startswith(f"layer {label} · "), head
+    assert_tooltip_matches(
+        tip["rows"], res["top_ids"][row][0], res["top_tokens"][row][0], res["top_probs"][row][0]
+    )
+    page.mouse.click(tip["point"]["x"], tip["point"]["y"])
+    expected = {"positions": [res["positions"][0]], "target_ids": [target]}
+    wait_for(
+        lambda: state().get("selected") == [row, 0] and state()["attribution"] == expected,
+        60,
+        "the attribution at the clicked cell",
+    )
+    page.wait_for_function(
+        "label => document.querySelector('.ek-attribution')?.textContent.includes(label)",
+        arg=f"row {label} is shaded",
+        timeout=30000,
+    )
+    panel = page.locator(".ek-attribution")
+    assert "Direct logit attribution" in panel.inner_text()
+    assert f"at position {res['positions'][0]} " in panel.inner_text()
+    assert panel.locator("img").is_visible()
+    ARTIFACTS.mkdir(exist_ok=True)
+    panel.screenshot(path=str(ARTIFACTS / "explorer_attribution.png"))
+    page.locator(".ek-picker").screenshot(path=str(ARTIFACTS / "explorer_picker.png"))
+    return row
+
+
 @pytest.mark.engine
 def test_explorer_in_jupyterlab(browser, tmp_path):
     work = tmp_path / "work"
@@ -504,7 +583,14 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
 
         page.mouse.click(tip["point"]["x"], tip["point"]["y"])
         wait_for(lambda: state().get("selected") == [layer, position], 30, "the selection")
-        before = page.evaluate("() => document.querySelector('.widget-output img').src")
+        # The click also attributes the prediction at that position, for the first target.
+        attribution = wait_for(lambda: state().get("attribution"), 60, "the attribution")
+        assert attribution == {
+            "positions": [res["positions"][position]],
+            "target_ids": [res["target_ids"][0]],
+        }
+        page.locator(".ek-attribution img").wait_for(state="visible", timeout=30000)
+        before = page.evaluate("() => document.querySelector('.ek-trajectory img').src")
 
         new_id = next(r["id"] for r in tip["rows"] if r["id"] not in res["target_ids"])
         page.locator(f'.ek-tooltip .ek-token[data-id="{new_id}"]').click()
@@ -517,16 +603,26 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         assert new_id in pinned["result"]["target_ids"]
         assert pinned["selected"] == [layer, position]
         page.wait_for_function(
-            "before => document.querySelector('.widget-output img')?.src !== before",
+            "before => document.querySelector('.ek-trajectory img')?.src !== before",
             arg=before,
             timeout=30000,
         )
+        wait_for(
+            lambda: state()["attribution"]["target_ids"] == [new_id],
+            60,
+            "the attribution of the pinned token",
+        )
         timings["hover + select + pin"] = time.monotonic() - t
+
+        t = time.monotonic()
+        labels = pick_sites_and_run(page, state, run_button)
+        row = attribute_a_cell(page, state, labels[-3], new_id)  # the last layer's attention
+        timings["sub-layer sites + attribution"] = time.monotonic() - t
 
         page.locator(".widget-textarea textarea").evaluate(
             "el => el.scrollIntoView({block: 'start'})"
         )
-        hover_cell(page, layer, position)
+        hover_cell(page, row, 0)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "explorer_jupyterlab.png"), full_page=True)
 

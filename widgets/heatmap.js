@@ -27,7 +27,7 @@
  * The `data` traitlet (envoykit.explorer.payload.heatmap_data).
  * @typedef {object} Payload
  * @property {string} prompt
- * @property {string[]} layer_labels         [layers], bottom row first
+ * @property {string[]} layer_labels         [rows], bottom first: "embed", "12", "12.attn", "12.mid"
  * @property {string[]} tokens               [positions]
  * @property {number[][][]} top_ids          [layer][position][k], most likely first
  * @property {Object<string, string>} vocab  token text by id, each id once

@@ -1,20 +1,25 @@
 """The logit lens as a JupyterLab widget, on an engine or a stored result.
 
 One module per job: `views` (the anywidget classes `Heatmap` and `LayerPicker`), `payload`
-(what they receive, shaped as JSON), `controller` (`LensExplorer`, which ties inputs, views
-and the lens together), `export` (figures, JSON and the standalone page) and `assets` (the
-browser modules in ``widgets/``, read once). The browser side is framework-free anywidget
-modules, no build step; state crosses between kernel and browser only through named
-traitlets, so every interaction can be driven and checked from Python.
+(what they receive, shaped as JSON), `rows` (the picker's selection as lens rows, and how
+one lens covers them), `controller` (`LensExplorer`, which ties inputs, views and the engine
+together), `attribution_panel` (the direct logit attribution at the selected cell),
+`outputs` (figures and messages as plain ipywidgets show them), `export` (figures, JSON and
+the standalone page) and `assets` (the browser modules in ``widgets/``, read once). The
+browser side is framework-free anywidget modules, no build step; state crosses between
+kernel and browser only through named traitlets, so every interaction can be driven and
+checked from Python.
 """
 
 from envoykit.explorer.assets import widgets_dir
+from envoykit.explorer.attribution_panel import AttributionPanel
 from envoykit.explorer.controller import LensExplorer
 from envoykit.explorer.export import standalone_html
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
 from envoykit.explorer.views import Heatmap, LayerPicker
 
 __all__ = [
+    "AttributionPanel",
     "Heatmap",
     "LayerPicker",
     "LensExplorer",

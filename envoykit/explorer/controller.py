@@ -5,17 +5,20 @@ it turns widget events into lens requests and results into view state. Every pie
 text it puts into an HTML widget (tokenizations, error messages, the engine's name) is
 escaped, since ipywidgets' HTML widget renders its value as markup.
 
+The layer picker picks rows — (layer, site) pairs — which need not be a cross product of
+layers and sites; the lens runs on the union and keeps the picked rows (`rows`).
+
 With an engine, pinning a token that is not yet a target re-runs the lens with it added, so
-its trajectory is exact. With a stored `LensResult` (read-only) nothing can be recomputed: a
-pinned token that is not a target is drawn from the top-k lists only, as a dotted line with
-gaps wherever it was not among the top k, and labelled so.
+its trajectory is exact, and clicking a cell shows the direct logit attribution at its
+position (`AttributionPanel`). With a stored `LensResult` (read-only) nothing can be
+recomputed: a pinned token that is not a target is drawn from the top-k lists only, as a
+dotted line with gaps wherever it was not among the top k, and labelled so; the attribution
+panel says it needs an engine.
 """
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +26,25 @@ import ipywidgets as widgets
 import numpy as np
 
 from envoykit import plot
+from envoykit.attribution_result import AttributionResult
 from envoykit.errors import EnvoykitError, InvalidRequest
-from envoykit.explorer import export
+from envoykit.explorer import export, rows
+from envoykit.explorer.attribution_panel import AttributionPanel
+from envoykit.explorer.outputs import ERROR, figure_output, message_html, text_output
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
 from envoykit.explorer.views import Heatmap, LayerPicker
 from envoykit.metrics import METRICS, metric_grid, metric_keys
-from envoykit.request import describe_target
+from envoykit.request import Row, describe_target
 from envoykit.result import LensResult
-
-# Colours of the messages under the inputs: the theme's, with the light theme's as fallback.
-_ERROR = "var(--jp-error-color1, #c92a2a)"
-_TEXT = "var(--jp-ui-font-color1, #333)"
 
 
 class LensExplorer(widgets.VBox):
-    """Prompt, targets, metric, top-k and layers in; heatmap and trajectory out.
+    """Prompt, targets, metric, top-k and lens rows in; heatmap, trajectory and attribution out.
 
     ``LensExplorer(engine)`` runs the lens on the engine (`run`, or the Run button);
     ``LensExplorer(result)`` shows a stored `LensResult` read-only (the layer picker then
-    filters the layers shown). ``result`` is the last lens; ``export`` saves what is shown.
+    filters the rows shown). ``result`` is the last lens, ``attribution`` the attribution
+    shown for the selected cell; ``export`` saves what is shown.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class LensExplorer(widgets.VBox):
         self.trajectory_figure: Any = None
         self.trajectory_targets: list[str] = []
         self._request: dict[str, Any] | None = None
+        self._rows: list[Row] = []
 
         self.prompt = widgets.Textarea(
             value=source.prompt if readonly else prompt,
@@ -88,15 +92,20 @@ class LensExplorer(widgets.VBox):
         )
         self.status = widgets.HTML("read-only: a stored LensResult" if readonly else "")
         self.message = widgets.HTML()
-        self.picker = LayerPicker(
-            result_layers(source) if readonly else picker_layers(source.locations())
-        )
+        if readonly:
+            self.picker = LayerPicker(result_layers(source))
+            self.picker.rows = zip(source.layers.tolist(), source.sites)
+        else:
+            sublayers = source.readout.mlp_prenorm is not None
+            self.picker = LayerPicker(picker_layers(source.locations(), sublayers=sublayers))
         self.heatmap = Heatmap()
         self.trajectory = widgets.Output()
+        self.trajectory.add_class("ek-trajectory")
+        self.attribution_panel = AttributionPanel()
 
         self.targets.observe(self._on_targets, "value")
         self.metric.observe(self._on_metric, "value")
-        self.picker.observe(self._on_layers, "selected")
+        self.picker.observe(self._on_layers, ["selected", "selected_sites"])
         self.heatmap.observe(self._on_selected, "selected")
         self.heatmap.observe(self._on_pinned, "pinned")
         self.run_button.on_click(lambda _: self.run())
@@ -117,6 +126,7 @@ class LensExplorer(widgets.VBox):
                 self.picker,
                 self.heatmap,
                 self.trajectory,
+                self.attribution_panel,
             ]
         )
         self._on_targets()
@@ -124,26 +134,43 @@ class LensExplorer(widgets.VBox):
             self.metric.value = metric
         if readonly:
             self._show()
+        else:
+            self._draw_attribution()
+
+    @property
+    def attribution(self) -> AttributionResult | None:
+        """The attribution drawn for the selected cell; None while the panel shows a message."""
+        return self.attribution_panel.result
+
+    @property
+    def attribution_figure(self) -> Any:
+        """The matplotlib figure of `attribution`, or None."""
+        return self.attribution_panel.figure
 
     # -- actions ---------------------------------------------------------------------------
 
     def run(self) -> LensResult | None:
-        """Lens the prompt with the picked layers, top-k and targets (same as pressing Run).
+        """Lens the prompt with the picked rows, top-k and targets (same as pressing Run).
 
         Returns the new result, or None when the request was refused (the reason is shown).
         """
         if self.engine is None:
             self._say("read-only: this explorer shows a stored LensResult and has no engine", True)
             return None
+        picked = self.picker.rows
+        if not picked:
+            self._say("no layers picked: pick at least one layer or sub-layer site", True)
+            return None
         text = self.targets.value
-        return self._lens(
-            {
-                "prompt": self.prompt.value,
-                "layers": list(self.picker.selected),
-                "top_k": self.top_k.value,
-                "targets": self._targets_with_pins(text.split(",") if text else []),
-            }
-        )
+        layers, sites = rows.lens_arguments(picked)
+        request = {
+            "prompt": self.prompt.value,
+            "layers": layers,
+            "sites": sites,
+            "top_k": self.top_k.value,
+            "targets": self._targets_with_pins(text.split(",") if text else []),
+        }
+        return self._lens(request, picked)
 
     def export(self, path: str | Path) -> Path:
         """Save what is shown: ``.png``/``.svg`` (matplotlib heatmap of the current metric),
@@ -156,23 +183,24 @@ class LensExplorer(widgets.VBox):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _lens(self, request: dict[str, Any]) -> LensResult | None:
+    def _lens(self, request: dict[str, Any], picked: list[Row]) -> LensResult | None:
+        """Run ``request`` (`Engine.lens`'s arguments) and keep the ``picked`` rows."""
         self.run_button.disabled = True
         self.run_button.description = "Running…"
         self.status.value = f"<i>⏳ running the lens on {html.escape(self.engine.info.name)}…</i>"
         # The button comes back only once everything below is drawn: enabled means done.
         try:
             try:
-                result = self.engine.lens(**request)
+                result = rows.keep(self.engine.lens(**request), picked)
             except EnvoykitError as err:
                 self._say(str(err), True)
                 self.status.value = ""
                 return None
-            self._request = request
+            self._request, self._rows = request, picked
             self.result = result
             self._say("")
             self.status.value = (
-                f"{len(result.layers)} layers × {len(result.positions)} positions, "
+                f"{len(result.layers)} rows × {len(result.positions)} positions, "
                 f"top-{result.top_ids.shape[-1]}"
             )
             self._show()
@@ -182,25 +210,24 @@ class LensExplorer(widgets.VBox):
             self.run_button.description = "Run"
 
     def _shown(self) -> LensResult | None:
-        """The result restricted, when read-only, to the layers picked in the layer picker."""
+        """The result restricted, when read-only, to the rows picked in the layer picker."""
         if self.result is None or self.engine is not None:
             return self.result
-        picked = [n for n in self.picker.selected if n in self.result.layers]
-        return self.result.select(layers=picked) if picked else None
+        return rows.keep(self.result, self.picker.rows)
 
     def _show(self) -> None:
         shown = self._shown()
         if shown is None:
             self._say("no layers picked: pick at least one layer to show", True)
             return
-        old = self.heatmap.selected
-        fits = old is not None and old[0] < len(shown.layers) and old[1] < len(shown.positions)
-        self.heatmap.selected = old if fits else None
+        labels = self.heatmap.data.get("layer_labels", [])
+        self.heatmap.selected = _same_cell(self.heatmap.selected, labels, shown)
         self.heatmap.data = heatmap_data(shown)
         value = self.metric.value
         self.metric.options = self._metric_options()
         self.metric.value = value if value in self._metric_keys() else "prob"
         self._draw_trajectory()
+        self._draw_attribution()
 
     def _metric_keys(self) -> list[str]:
         return [key for _, key in self.metric.options]
@@ -221,12 +248,7 @@ class LensExplorer(widgets.VBox):
         return [*typed, *(i for i in self.heatmap.pinned if i not in typed_ids)]
 
     def _say(self, text: str, error: bool = False) -> None:
-        colour = _ERROR if error else _TEXT
-        self.message.value = (
-            f'<div style="color:{colour};white-space:pre-wrap">{html.escape(text)}</div>'
-            if text
-            else ""
-        )
+        self.message.value = message_html(text, error=error)
 
     def _on_targets(self, _: Any = None) -> None:
         if self.engine is None:
@@ -237,7 +259,7 @@ class LensExplorer(widgets.VBox):
         for piece in text.split(",") if text else []:
             tokens = describe_target(self.engine.tokenizer, piece)
             if not tokens:
-                shown = f"<b style='color:{_ERROR}'>tokenizes to nothing</b>"
+                shown = f"<b style='color:{ERROR}'>tokenizes to nothing</b>"
             else:
                 shown = " ".join(f"<code>{html.escape(repr(t))}</code>" for t in tokens)
                 if len(tokens) > 1:
@@ -254,10 +276,11 @@ class LensExplorer(widgets.VBox):
             self._say("")
             self._show()
         else:
-            self.status.value = "layers changed: press Run to lens them"
+            self.status.value = "rows changed: press Run to lens them"
 
     def _on_selected(self, _: Any) -> None:
         self._draw_trajectory()
+        self._draw_attribution()
 
     def _on_pinned(self, change: dict[str, Any]) -> None:
         if self.result is None:
@@ -266,9 +289,10 @@ class LensExplorer(widgets.VBox):
         new = [i for i in change["new"] if i not in known]
         if new and self.engine is not None and self._request is not None:
             typed = [t for t in self._request["targets"] if isinstance(t, str)]
-            self._lens({**self._request, "targets": self._targets_with_pins(typed)})
+            self._lens({**self._request, "targets": self._targets_with_pins(typed)}, self._rows)
         else:
             self._draw_trajectory()
+            self._draw_attribution()
 
     def _draw_trajectory(self) -> None:
         """Every target, and (read-only) every pinned top-k token, at the selected position."""
@@ -284,7 +308,7 @@ class LensExplorer(widgets.VBox):
         if not labels and not extra:
             self.trajectory_figure, self.trajectory_targets = None, []
             self.trajectory.outputs = (
-                _text_output("type targets, or click a token in a heatmap tooltip to pin it"),
+                text_output("type targets, or click a token in a heatmap tooltip to pin it"),
             )
             return
         ax = Figure(figsize=(7, 3.5)).subplots()
@@ -305,25 +329,57 @@ class LensExplorer(widgets.VBox):
         ax.set_title(f"target tokens at position {shown.tokens[position]!r}", fontsize=10)
         ax.legend(loc="upper left", fontsize=8)
         ax.figure.tight_layout()
-        buffer = io.BytesIO()
-        ax.figure.savefig(buffer, format="png")
         self.trajectory_figure, self.trajectory_targets = ax.figure, labels
         self.trajectory.outputs = (
-            {
-                "output_type": "display_data",
-                "data": {
-                    "image/png": base64.b64encode(buffer.getvalue()).decode(),
-                    "text/plain": f"trajectory of {labels} at position {position}",
-                },
-                "metadata": {},
-            },
+            figure_output(ax.figure, f"trajectory of {labels} at position {position}"),
         )
+
+    def _draw_attribution(self) -> None:
+        """The direct logit attribution at the selected cell's position, for the token pinned
+        last or else the first target; the engine is asked only when either changed."""
+        panel = self.attribution_panel
+        if self.engine is None:
+            panel.say("needs an engine: this explorer shows a stored LensResult")
+            return
+        shown = self._shown()
+        if shown is None or self.heatmap.selected is None:
+            panel.say("click a heatmap cell to see who wrote the prediction at its position")
+            return
+        if self.heatmap.pinned:
+            target = int(self.heatmap.pinned[-1])
+        elif len(shown.target_ids):
+            target = int(shown.target_ids[0])
+        else:
+            panel.say("type or pin a target to see its attribution at the selected cell")
+            return
+        row, column = self.heatmap.selected
+        prompt, position = shown.prompt, int(shown.positions[column])
+        att = panel.result
+        fresh = (
+            att is not None
+            and att.prompt == prompt
+            and att.positions.tolist() == [position]
+            and att.target_ids.tolist() == [target]
+        )
+        if not fresh:
+            panel.busy(f"attributing at position {position}")
+            try:
+                att = self.engine.attribute(prompt, [target], positions=[position])
+            except EnvoykitError as err:
+                panel.say(str(err), error=True)
+                return
+        panel.show(att, target, layer=int(shown.layers[row]), row=shown.layer_labels[row])
+
+
+def _same_cell(cell: list[int] | None, labels: list[str], shown: LensResult) -> list[int] | None:
+    """Cell ``cell`` of rows ``labels`` in ``shown``: the same row (by label, since rows come
+    and go with the picker) and column; None when it is not shown any more."""
+    if cell is None or cell[0] >= len(labels) or cell[1] >= len(shown.positions):
+        return None
+    label = labels[cell[0]]
+    return [shown.layer_labels.index(label), cell[1]] if label in shown.layer_labels else None
 
 
 def _token_of(res: LensResult, token_id: int) -> str:
     where = np.argwhere(res.top_ids == token_id)
     return str(res.top_tokens[tuple(where[0])]) if len(where) else str(token_id)
-
-
-def _text_output(text: str) -> dict[str, Any]:
-    return {"output_type": "stream", "name": "stdout", "text": text + "\n"}

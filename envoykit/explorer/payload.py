@@ -2,8 +2,9 @@
 
 ``heatmap_data`` is the heatmap's ``data`` traitlet (its layout is the ``Payload`` typedef at
 the top of ``widgets/heatmap.js``); ``picker_layers`` and ``result_layers`` are the layer
-picker's ``layers``. Every metric's colouring comes from `envoykit.metrics`, the definition
-the matplotlib heatmap uses too.
+picker's ``layers`` (the ``Item`` typedef at the top of ``widgets/layer_picker.js``): one
+column per layer, with the rows it offers. Every metric's colouring comes from
+`envoykit.metrics`, the definition the matplotlib heatmap uses too.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from envoykit.explorer.rows import RESID, SUBLAYER_SITES, ordered
 from envoykit.metrics import metric_grid, metric_keys
-from envoykit.result import LensResult
+from envoykit.result import SITE_SUFFIXES, LensResult
 
 # Digits kept in the JSON: a tooltip shows four, and fewer digits are fewer bytes.
 PROB_DECIMALS = 6
@@ -49,29 +51,73 @@ def heatmap_data(res: LensResult) -> dict[str, Any]:
     }
 
 
-def picker_layers(locations: list[Any]) -> list[dict[str, Any]]:
-    """Lens layers from an engine's whole-valued locations (`Engine.locations`).
+def picker_layers(locations: list[Any], *, sublayers: bool = True) -> list[dict[str, Any]]:
+    """Picker items from an engine's whole-valued locations (`Engine.locations`).
 
-    Layer 0 is the embedding, layer ``i`` the output of decoder layer ``i - 1`` (0-based);
-    each carries its attention- and MLP-output locations.
+    Layer 0 is the embedding, layer ``i`` the output of decoder layer ``i - 1`` (0-based).
+    With ``sublayers`` (the model's readout knows where its MLP pre-norm is, so the lens can
+    read inside a layer) each decoder layer also offers its sub-layer rows, titled with the
+    module whose output they read where there is one.
     """
-    items: dict[int, dict[str, Any]] = {}
+    layer_paths: dict[int, str] = {}
+    block_paths: dict[tuple[int, str], str] = {}
     for loc in locations:
         if loc.kind == "embed":
-            items[0] = {"layer": 0, "label": "embed", "path": loc.path, "subs": []}
+            layer_paths[0] = loc.path
         elif loc.kind == "layer":
-            n = loc.layer + 1
-            items.setdefault(n, {"layer": n, "label": str(n), "subs": []})["path"] = loc.path
+            layer_paths[loc.layer + 1] = loc.path
         elif loc.kind in ("attn", "mlp") and loc.layer is not None:
-            n = loc.layer + 1
-            item = items.setdefault(n, {"layer": n, "label": str(n), "path": "", "subs": []})
-            item["subs"].append({"kind": loc.kind, "path": loc.path})
-    return [items[n] for n in sorted(items)]
+            block_paths[(loc.layer + 1, loc.kind)] = loc.path
+    items = []
+    for n in sorted(layer_paths):
+        subs = SUBLAYER_SITES if n and sublayers else ()
+        item = _picker_item(n, layer_paths[n], resid=True)
+        item["subs"] = [_picker_site(n, site, block_paths.get((n, site), "")) for site in subs]
+        items.append(item)
+    return items
 
 
 def result_layers(res: LensResult) -> list[dict[str, Any]]:
-    """Picker items for a stored result: its layers, with no locations to name."""
-    return [
-        {"layer": int(n), "label": label, "path": "", "subs": []}
-        for n, label in zip(res.layers, res.layer_labels)
-    ]
+    """Picker items for a stored result: the rows it holds, with no modules to name."""
+    items: dict[int, dict[str, Any]] = {}
+    for layer, site in ordered(zip(res.layers.tolist(), res.sites)):
+        item = items.setdefault(layer, _picker_item(layer, "", resid=False))
+        if site == RESID:
+            item["resid"] = True
+        else:
+            item["subs"].append(_picker_site(layer, site, ""))
+    return list(items.values())
+
+
+# What each row of the picker reads, for its hover text.
+_READS = {
+    "resid": "the residual stream after layer {n}",
+    "attn": "what layer {n}'s attention writes into the stream",
+    "resid_mid": "the residual stream between layer {n}'s attention and MLP",
+    "mlp": "what layer {n}'s MLP writes into the stream",
+}
+
+
+def _picker_item(layer: int, path: str, *, resid: bool) -> dict[str, Any]:
+    """One column of the picker: ``resid`` says whether its stream row can be picked."""
+    label = "embed" if layer == 0 else str(layer)
+    reads = "the token embeddings" if layer == 0 else _READS[RESID].format(n=layer)
+    return {
+        "layer": layer,
+        "label": label,
+        "title": _title(label, reads, path),
+        "path": path,
+        "resid": resid,
+        "subs": [],
+    }
+
+
+def _picker_site(layer: int, site: str, path: str) -> dict[str, Any]:
+    """One sub-layer row of a picker column, labelled like its heatmap row (``12.attn``)."""
+    chip = SITE_SUFFIXES[site].lstrip(".")
+    title = _title(f"{layer}.{chip}", _READS[site].format(n=layer), path)
+    return {"site": site, "label": chip, "title": title, "path": path}
+
+
+def _title(label: str, reads: str, path: str) -> str:
+    return f"{label}: {reads}" + (f" ({path})" if path else "")

@@ -8,6 +8,7 @@ can be driven and checked from Python. The module sources are class attributes, 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anywidget
@@ -15,6 +16,8 @@ import traitlets
 
 from envoykit.explorer.assets import asset
 from envoykit.explorer.payload import heatmap_data
+from envoykit.explorer.rows import RESID, SUBLAYER_SITES, ordered, picked
+from envoykit.request import Row
 from envoykit.result import LensResult
 
 
@@ -40,19 +43,46 @@ class Heatmap(anywidget.AnyWidget):
 
 
 class LayerPicker(anywidget.AnyWidget):
-    """A strip of lens layers (with their whole-valued sub-locations); click or drag to pick.
+    """A grid of lens rows — a column per layer, a line per site — to click or drag through.
 
-    ``layers`` holds one item per lens layer (`picker_layers`), ``selected`` the picked layer
-    numbers.
+    ``layers`` holds one column per lens layer (`picker_layers`). The picked rows are two
+    lists: ``selected``, the layer numbers whose stream after the layer (site ``"resid"``)
+    is picked — what the picker held before it offered sites, so scripts that set it keep
+    working — and ``selected_sites``, the picked sub-layer rows as ``[layer, site]`` pairs
+    (site ``"attn"``, ``"resid_mid"`` or ``"mlp"``), kept in the model's order. ``rows``
+    joins the two.
     """
 
     _esm = asset("layer_picker.js")
     _css = asset("explorer.css")
     layers = traitlets.List(traitlets.Dict()).tag(sync=True)
     selected = traitlets.List(traitlets.Int()).tag(sync=True)
+    selected_sites = traitlets.List(traitlets.List()).tag(sync=True)
 
     def __init__(self, layers: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if layers is not None:
             self.layers = layers
-            self.selected = [item["layer"] for item in layers]
+            self.selected = [item["layer"] for item in layers if item.get("resid", True)]
+
+    @property
+    def rows(self) -> list[Row]:
+        """The picked ``(layer, site)`` rows, in the model's order."""
+        return picked(self.selected, self.selected_sites)
+
+    @rows.setter
+    def rows(self, rows: Iterable[Sequence]) -> None:
+        rows = ordered(rows)
+        with self.hold_sync():
+            self.selected = [layer for layer, site in rows if site == RESID]
+            self.selected_sites = [[layer, site] for layer, site in rows if site != RESID]
+
+    @traitlets.validate("selected_sites")
+    def _check_sites(self, proposal: dict[str, Any]) -> list[list]:
+        for row in proposal["value"]:
+            layer, site = row if len(row) == 2 else (None, None)
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
+                raise traitlets.TraitError(f"a picked site is [layer >= 1, site], not {row!r}")
+            if site not in SUBLAYER_SITES:
+                raise traitlets.TraitError(f"site {site!r} is not one of {SUBLAYER_SITES}")
+        return [list(row) for row in ordered(proposal["value"])]

@@ -1,0 +1,70 @@
+"""`AttributionPanel`: the direct logit attribution at the selected heatmap cell's position.
+
+A lens cell says what the model would predict at a position if it stopped at that row; the
+attribution says who wrote the prediction it does make there: how much the embedding and
+each layer's attention and MLP add to one target's final logit (`Engine.attribute`, drawn
+by `plot.attribution`). The panel only draws; the controller picks the target and position
+and calls the engine. Its header is an ipywidgets ``HTML``, so its text is escaped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as widgets
+
+from envoykit import plot
+from envoykit.attribution_result import AttributionResult
+from envoykit.explorer.outputs import figure_output, message_html
+
+TITLE = "Direct logit attribution"
+
+
+class AttributionPanel(widgets.VBox):
+    """A header — what is drawn, or why nothing is — over the attribution figure.
+
+    ``result`` is the `AttributionResult` drawn and ``figure`` its matplotlib figure; both
+    are None while the panel shows a message instead.
+    """
+
+    def __init__(self) -> None:
+        self.header = widgets.HTML()
+        self.view = widgets.Output()
+        self.result: AttributionResult | None = None
+        self.figure: Any = None
+        super().__init__([self.header, self.view])
+        self.add_class("ek-attribution")
+
+    def say(self, text: str, *, error: bool = False) -> None:
+        """Show ``text`` in place of a figure."""
+        self.result, self.figure = None, None
+        self.view.outputs = ()
+        self._head(text, error=error)
+
+    def busy(self, text: str) -> None:
+        """Say what is being computed; the figure drawn so far stays until the new one lands."""
+        self._head(f"⏳ {text}…")
+
+    def show(self, att: AttributionResult, target: int, *, layer: int, row: str) -> None:
+        """Draw ``target`` at ``att``'s one position, with layer ``layer`` (heatmap row
+        ``row``, the cell clicked) shaded."""
+        from matplotlib.figure import Figure
+
+        n_layers = int(att.component_layers.max())
+        # Wide enough for the plot's title even with a few layers, as wide as a cell allows.
+        ax = Figure(figsize=(min(max(7.0, 4.0 + 0.32 * n_layers), 12.0), 3.6)).subplots()
+        plot.attribution(att, target, position=0, ax=ax)
+        ax.axvspan(layer - 0.5, layer + 0.5, color="C3", alpha=0.12, label=f"row {row}")
+        ax.legend(loc="best", fontsize=8)
+        ax.figure.tight_layout()
+        token = att.target_tokens[att.target_index(target)]
+        what = f"logit({token!r}) at position {int(att.positions[0])} ({att.tokens[0]!r})"
+        self.result, self.figure = att, ax.figure
+        self.view.outputs = (figure_output(ax.figure, f"direct logit attribution of {what}"),)
+        self._head(
+            f"what the embedding and each layer's attention and MLP add to {what}; "
+            f"the layer of row {row} is shaded"
+        )
+
+    def _head(self, text: str, *, error: bool = False) -> None:
+        self.header.value = f"<b>{TITLE}</b>{message_html(text, error=error)}"

@@ -8,7 +8,9 @@ from envoykit import plot
 from envoykit.attribution_result import AttributionResult
 from envoykit.engine import Engine, ModelInfo
 from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest, ShardedValue
+from envoykit.patching import Patch
 from envoykit.result import LensResult, TargetTrace
+from envoykit.sweep_result import SweepResult
 
 __all__ = [
     "AttributionResult",
@@ -19,7 +21,9 @@ __all__ = [
     "LensExplorer",
     "LensResult",
     "ModelInfo",
+    "Patch",
     "ShardedValue",
+    "SweepResult",
     "TargetTrace",
     "plot",
 ]

@@ -11,6 +11,7 @@ unlinks their shared memory then (see `envoykit.janitor`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -22,18 +23,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from envoykit import logs, models, platform
+from envoykit.cleanup import SHM as _SHM
+from envoykit.cleanup import descendants as _descendants
+from envoykit.cleanup import mapped_segments as _mapped_segments
+from envoykit.cleanup import shutdown as _shutdown
 from envoykit.errors import EngineDead, InvalidRequest
 from envoykit.janitor import Janitor
 from envoykit.readout import Readout
 
 if TYPE_CHECKING:
     from envoykit.attribution_result import AttributionResult
+    from envoykit.patching import Patch
+    from envoykit.sweep_result import SweepResult
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Enough KV cache for a few prompts of max_model_len tokens on the built-in models.
 _DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 _DEFAULT_MAX_MODEL_LEN = 1024
-_SHM = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,13 @@ class Engine:
             workers.prepare_client()
             steps.update()
             steps.set_description(f"{self._source.name}: starting {self._tp} rank(s)")
-            kwargs = {"kv_cache_memory_bytes": _DEFAULT_KV_CACHE_BYTES, **self._engine_kwargs}
+            # Every rank would draw its own "Loading safetensors checkpoint shards" bar in the
+            # notebook, beside the one progress bar the engine shows.
+            kwargs = {
+                "kv_cache_memory_bytes": _DEFAULT_KV_CACHE_BYTES,
+                "use_tqdm_on_load": False,
+                **self._engine_kwargs,
+            }
             llm = EnvoykitVLLM(
                 self._source.path,
                 worker_cls=workers.WORKER_CLS,
@@ -290,6 +302,7 @@ class Engine:
         generate: int = 0,
         sites: str | Sequence[str] = ("resid",),
         reduce_dtype: str = "float32",
+        patch: Patch | Sequence[Patch] | None = None,
     ) -> Any:
         """Logit lens of ``prompt`` in one forward pass, reduced on the ranks.
 
@@ -300,11 +313,12 @@ class Engine:
         ``targets``: strings (their first token) or token ids. ``generate=N`` also lenses
         the N greedily generated tokens. ``reduce_dtype``: precision of the reductions on
         the ranks ("float32", or "float64"). A list of prompts gives a list of results
-        (one trace).
+        (one trace). ``patch``: an `ek.Patch` or a list of them; the result is the lens of
+        the patched run (see `envoykit.patching`), and its ``meta["patches"]`` says so.
 
         Returns a `LensResult` (a list of them for a list of prompts).
         """
-        from envoykit import lens, request
+        from envoykit import lens, patching, request
 
         info = self.info
         req = request.build_request(
@@ -321,12 +335,22 @@ class Engine:
             sites=sites,
             reduce_dtype=reduce_dtype,
         )
-        if any(site != "resid" for _, site in req.rows):
+        patches = patching.as_patches(patch)
+        plan = {}
+        if patches:
+            if len(req.prompts) != 1:
+                raise InvalidRequest("a patch goes into one target prompt, not a list of them")
+            plan = patching.plan_writes(self.tokenizer, patches, req.prompt_ids[0], info.n_layers)
+        if any(site != "resid" for _, site in req.rows) or any(p.site != "resid" for p in patches):
             self.readout.require_sublayers()
+        meta = self._result_meta()
+        if patches:
+            meta["patches"] = [dataclasses.asdict(p) for p in patches]
         # The whole trace under the guard, not only its run: nnsight cannot build two traces
         # on one model from two threads at once.
         with self._request():
-            results = lens.run(self.model, self.readout, req, self._result_meta())
+            writes = patching.source_writes(self.model, self.readout, plan)
+            results = lens.run(self.model, self.readout, req, meta, writes=writes)
         return results if isinstance(prompt, (list, tuple)) else results[0]
 
     def attribute(
@@ -350,6 +374,52 @@ class Engine:
         )
         with self._request():
             return attribution.run(self.model, self.readout, req, self._result_meta())
+
+    def patch_sweep(
+        self,
+        source: str,
+        target: str,
+        *,
+        layers: Any = None,
+        positions: Any = None,
+        site: str = "resid",
+        metric: str = "prob",
+        target_token: str | int,
+        other_token: str | int | None = None,
+        batch: int = 8,
+        progress: bool = True,
+    ) -> SweepResult:
+        """Causal tracing: patch ``source``'s stream into ``target`` at every (layer,
+        position) and measure the target's next token at its last position.
+
+        Both prompts must tokenize to the same length (position p is copied to position p).
+        ``metric``: "prob" (``target_token``'s probability) or "logit_diff" (its logit minus
+        ``other_token``'s). Runs ``batch`` patched copies of the target per trace (one
+        invoke each), reduced on the ranks to one number each, with a progress bar; an
+        interrupt stops it between batches and leaves the engine usable.
+        """
+        from envoykit import sweep
+
+        info = self.info
+        req = sweep.build_request(
+            self.tokenizer,
+            info.n_layers,
+            info.vocab,
+            source,
+            target,
+            layers=layers,
+            positions=positions,
+            site=site,
+            metric=metric,
+            target_token=target_token,
+            other_token=other_token,
+            batch=batch,
+        )
+        if site != "resid":
+            self.readout.require_sublayers()
+        return sweep.run(
+            self.model, self.readout, req, self._result_meta(), self._request, progress
+        )
 
     def _result_meta(self) -> dict[str, Any]:
         """What every result records about the engine that produced it."""
@@ -416,68 +486,3 @@ class _OnRank:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.tokenizer = model.tokenizer
-
-
-def _descendants() -> set[Any]:
-    """This process's live descendants, less Python's shared-memory resource tracker (one per
-    process, shared by every engine, kept for the life of the process by design)."""
-    import psutil
-
-    found = set()
-    for process in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if "resource_tracker" not in " ".join(process.cmdline()):
-                found.add(process)
-    return found
-
-
-def _mapped_segments(processes: set[Any]) -> set[str]:
-    """Shared-memory segments the engine's own processes have mapped.
-
-    Asked of the processes rather than read off a before/after listing of /dev/shm, which
-    would also catch the segments of an engine another kernel started at the same time.
-    """
-    found = set()
-    for process in processes:
-        with contextlib.suppress(OSError), open(f"/proc/{process.pid}/maps") as maps:
-            for line in maps:
-                path = line.split(maxsplit=5)[-1].strip()
-                name = os.path.basename(path)
-                if path.startswith(f"{_SHM}/") and not name.startswith("sem."):
-                    found.add(name)
-    return found
-
-
-def _shutdown(llm: Any, processes: set[Any], watcher: Janitor, scratch: str) -> None:
-    """Shut the engine core down, then make sure every process and segment it made is gone.
-
-    vLLM's shutdown asks the engine core to stop its ranks and unlink their shared memory,
-    but returns after a grace period with the core force-killed (unreaped) and ranks still
-    exiting, and a force-killed process never unlinks its segments (Python's resource
-    tracker would, but only when this whole process exits). Waiting for each process,
-    killing what outlives a second grace period, then unlinking the segments they had mapped
-    means ``close()`` returning implies nothing is left. The janitor, which would do the
-    same had this process been killed, is told the engine is closed and exits.
-    """
-    import psutil
-
-    segments = _mapped_segments(processes)
-    entry = getattr(llm, "vllm_entrypoint", None)
-    if entry is not None:
-        with contextlib.suppress(Exception):  # a dead engine core has nothing left to stop
-            entry.llm_engine.engine_core.shutdown()
-    _, alive = psutil.wait_procs(processes, timeout=10)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(alive, timeout=5)
-    from multiprocessing import resource_tracker
-
-    for name in segments:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(_SHM, name))
-            # The segment was registered with this process's tracker by the rank that made
-            # it; unregistered, the tracker will not warn about it (or unlink it) at exit.
-            resource_tracker.unregister(f"/{name}", "shared_memory")
-    shutil.rmtree(scratch, ignore_errors=True)
-    watcher.release()

@@ -29,6 +29,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from envoykit.patching import (
+    OUTPUT_SITES,
+    PRENORM_SITES,
+    Write,
+    write_at,
+    write_embedding,
+    writes_by_layer,
+)
 from envoykit.readout import Readout, at
 from envoykit.request import SITES, LensRequest, Row
 from envoykit.result import LensResult
@@ -123,8 +131,12 @@ def run(
     request: LensRequest,
     meta: dict[str, Any],
     budget: int = DEFAULT_MEMORY_BUDGET,
+    writes: Sequence[Write] = (),
 ) -> list[LensResult]:
     """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt.
+
+    ``writes`` (see `envoykit.patching`) are written into the prompt's forward pass before
+    anything downstream of them is read: the lens is that of the patched run.
 
     With ``generate=N`` the trace runs N+1 steps: the prompt's prefill, then each generated
     token as it is fed back, so every position in the result is an input token and its lens
@@ -134,7 +146,9 @@ def run(
     import nnsight
 
     rows = computed_rows(request.rows, readout.n_layers)
-    by_layer = _sites_by_layer(rows)
+    reads = dict(_sites_by_layer(rows))
+    to_write = writes_by_layer(writes)
+    layer_numbers = sorted({*reads, *to_write})
     layer_list = at(model, readout.layers)
     norm = at(model, readout.final_norm)
     head = at(model, readout.unembedding)
@@ -151,27 +165,37 @@ def run(
                 samples = nnsight.save([])
                 for step in tracer.iter[:steps_wanted]:
                     streams = []
-                    for number, sites in by_layer:
+                    for number in layer_numbers:
+                        sites = reads.get(number, set())
+                        # Patches go into the prompt's own forward pass, the first step.
+                        here = to_write.get(number, []) if step == 0 else []
                         if number == 0:
                             args, kwargs = layer_list[0].inputs
                             embedded = args[1] if len(args) > 1 else kwargs["hidden_states"]
-                            streams.append((embedded.clone(), None))
+                            write_embedding(embedded, here)
+                            if sites:
+                                streams.append((embedded.clone(), None))
                             continue
                         layer = layer_list[number - 1]
-                        if "attn" in sites or "resid_mid" in sites:
-                            # Cloned where read: the fused add-norm may overwrite its inputs.
+                        early = [w for w in here if w.cell.site in PRENORM_SITES]
+                        if early or "attn" in sites or "resid_mid" in sites:
                             written, before = getattr(layer, prenorm).inputs[0][:2]
+                            write_at(written, before, early, PRENORM_SITES)
+                            # Cloned where read: the fused add-norm may overwrite its inputs.
                             written, before = written.clone(), before.clone()
                             if "attn" in sites:
                                 streams.append((written, None))
                             if "resid_mid" in sites:
                                 streams.append((written, before))
-                        hidden, residual = layer.output[:2]
-                        hidden, residual = hidden.clone(), residual.clone()
-                        if "mlp" in sites:
-                            streams.append((hidden, None))
-                        if "resid" in sites:
-                            streams.append((hidden, residual))
+                        late = [w for w in here if w.cell.site in OUTPUT_SITES]
+                        if late or "mlp" in sites or "resid" in sites:
+                            hidden, residual = layer.output[:2]
+                            write_at(hidden, residual, late, OUTPUT_SITES)
+                            hidden, residual = hidden.clone(), residual.clone()
+                            if "mlp" in sites:
+                                streams.append((hidden, None))
+                            if "resid" in sites:
+                                streams.append((hidden, residual))
                     steps.append(
                         lens_statistics(
                             norm,
@@ -255,9 +279,7 @@ def _assemble(
         target_ranks=stats["target_ranks"].astype(np.int64),
         n_generated=len(generated),
         meta={
-            "model": meta["model"],
-            "tp": meta["tp"],
-            "dtype": meta["dtype"],
+            **{key: value for key, value in meta.items() if key != "vocab"},
             "lens": "logit",
             "returned_bytes": sum(t.numel() * t.element_size() for s in steps for t in s.values()),
         },

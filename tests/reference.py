@@ -138,3 +138,38 @@ def attribution(path: str, prompt: str, targets: list[int]) -> tuple[torch.Tenso
     values = (torch.stack(parts) * scale * gain) @ rows.T
     logits = model.lm_head(norm(final))[:, targets]
     return values, logits
+
+
+@torch.no_grad()
+def patched_final_logits(
+    path: str, source: str, target: str, layer: int, source_pos: int, target_pos: int, site: str
+) -> torch.Tensor:
+    """Final-layer logits ``[positions, vocab]`` of ``target`` with the stream after decoder
+    layer ``layer`` (1-based; ``site`` "resid"), or that layer's MLP output (``site``
+    "mlp"), at ``target_pos`` replaced by ``source``'s at ``source_pos``: forward hooks on
+    plain transformers, float32."""
+    model, tokenizer = load(path)
+    block = model.model.layers[layer - 1]
+    module = block if site == "resid" else block.mlp
+    captured: list[torch.Tensor] = []
+
+    def first(output):
+        return output[0] if isinstance(output, tuple) else output
+
+    handle = module.register_forward_hook(lambda m, a, out: captured.append(first(out)[0].clone()))
+    try:
+        model(torch.tensor([tokenizer(source)["input_ids"]]))
+    finally:
+        handle.remove()
+    value = captured[0][source_pos]
+
+    def replace(m, a, out):
+        first(out)[0, target_pos] = value
+        return out
+
+    handle = module.register_forward_hook(replace)
+    try:
+        logits = model(torch.tensor([tokenizer(target)["input_ids"]])).logits[0]
+    finally:
+        handle.remove()
+    return logits.float()

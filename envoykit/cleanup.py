@@ -1,0 +1,109 @@
+"""Stop an engine's processes and remove what they made, from the process that owns them.
+
+`Engine.close()`, its garbage collection and interpreter exit all end in `shutdown`; the
+janitor (`envoykit.janitor`) does the same from outside when the owner itself is killed.
+What an engine makes: an engine-core and rank processes, shared-memory segments in
+``/dev/shm`` (vLLM's message queues, Python ``SharedMemory`` named ``psm_*``, and its CPU
+all-reduce buffers, made by C++), and a scratch directory for its sockets and rendezvous file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import psutil
+
+    from envoykit.janitor import Janitor
+
+SHM = "/dev/shm"
+# Python's SharedMemory names its segments so (multiprocessing.shared_memory); only those are
+# registered with a resource tracker.
+_PYTHON_SEGMENT_PREFIX = "psm_"
+
+
+def descendants() -> set[psutil.Process]:
+    """This process's live descendants, less Python's shared-memory resource tracker (one per
+    process, shared by every engine, kept for the life of the process by design)."""
+    import psutil
+
+    found = set()
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "resource_tracker" not in " ".join(process.cmdline()):
+                found.add(process)
+    return found
+
+
+def mapped_segments(processes: set[psutil.Process]) -> set[str]:
+    """Shared-memory segments the engine's own processes have mapped.
+
+    Asked of the processes rather than read off a before/after listing of /dev/shm, which
+    would also catch the segments of an engine another kernel started at the same time.
+    Semaphores (``sem.*``) are left out: a process maps those its parent made too.
+    """
+    found = set()
+    for process in processes:
+        with contextlib.suppress(OSError), open(f"/proc/{process.pid}/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                name = os.path.basename(path)
+                if path.startswith(f"{SHM}/") and not name.startswith("sem."):
+                    found.add(name)
+    return found
+
+
+def shutdown(llm: Any, processes: set[psutil.Process], janitor: Janitor, scratch: str) -> None:
+    """Shut the engine core down, then make sure every process and segment it made is gone.
+
+    vLLM's shutdown asks the engine core to stop its ranks and unlink their shared memory,
+    and force-kills the core after a grace period; a force-killed process never unlinks its
+    segments (Python's resource tracker would, but only when this whole process exits).
+    Waiting for each process, killing what outlives a second grace period, then unlinking
+    what is left of the segments they made means ``close()`` returning implies nothing is
+    left. Those segments are the ones mapped now and the ones mapped at start (the janitor
+    holds that list): a rank that died before ``close()`` is no longer there to ask. The
+    janitor, which would do the same had this process been killed, is told the engine is
+    closed and exits.
+    """
+    import psutil
+
+    at_start = {os.path.basename(p) for p in janitor.paths if os.path.dirname(p) == SHM}
+    segments = at_start | mapped_segments(processes)
+    entry = getattr(llm, "vllm_entrypoint", None)
+    if entry is not None:
+        with contextlib.suppress(Exception):  # a dead engine core has nothing left to stop
+            entry.llm_engine.engine_core.shutdown()
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
+    for name in sorted(segments):
+        unlink_segment(name)
+    shutil.rmtree(scratch, ignore_errors=True)
+    janitor.release()
+
+
+def unlink_segment(name: str) -> None:
+    """Unlink a segment its maker left behind, and tell this process's resource tracker.
+
+    The engine's processes share this process's tracker (spawned processes inherit it), so a
+    Python ``SharedMemory`` segment made by a rank is registered here; unlinked without
+    unregistering, the tracker would try again at exit and warn about a leak. Only a segment
+    this call unlinked is unregistered: one its maker unlinked was unregistered by its maker,
+    and telling the tracker about a name it does not hold, or one that is not Python's (vLLM's
+    C++ all-reduce buffers, whose names hold ``:``), prints a traceback from the tracker into
+    the notebook (``KeyError: '/psm_…'``, ``ValueError: too many values to unpack``).
+    """
+    try:
+        os.unlink(os.path.join(SHM, name))
+    except OSError:  # gone already: its maker unlinked it
+        return
+    if name.startswith(_PYTHON_SEGMENT_PREFIX):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(f"/{name}", "shared_memory")

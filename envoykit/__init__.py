@@ -6,6 +6,8 @@ and return whole tensors; a logit lens runs on the ranks and ships back only wha
 
 from envoykit import plot
 from envoykit.attribution_result import AttributionResult
+from envoykit.compare import Run, compare
+from envoykit.compare_result import CompareResult
 from envoykit.engine import Engine, ModelInfo
 from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest, ShardedValue
 from envoykit.patching import Patch
@@ -14,6 +16,7 @@ from envoykit.sweep_result import SweepResult
 
 __all__ = [
     "AttributionResult",
+    "CompareResult",
     "Engine",
     "EngineDead",
     "EnvoykitError",
@@ -22,9 +25,11 @@ __all__ = [
     "LensResult",
     "ModelInfo",
     "Patch",
+    "Run",
     "ShardedValue",
     "SweepResult",
     "TargetTrace",
+    "compare",
     "plot",
 ]
 __version__ = "0.1.0"

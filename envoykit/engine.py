@@ -33,6 +33,7 @@ from envoykit.readout import Readout
 
 if TYPE_CHECKING:
     from envoykit.attribution_result import AttributionResult
+    from envoykit.compare_result import CompareResult
     from envoykit.patching import Patch
     from envoykit.sweep_result import SweepResult
 
@@ -176,7 +177,7 @@ class Engine:
         self._finalizer = weakref.finalize(self, _shutdown, llm, processes, watcher, scratch)
         # Everything the engine runs, nnsight traces included, goes through one guard. Held
         # weakly: the engine must stay collectable (its finalizer closes the ranks).
-        guard = weakref.WeakMethod(self._request)
+        guard = weakref.WeakMethod(self.exclusive)
         llm.request_guard = lambda: (guard() or contextlib.nullcontext)()
         steps.set_description(f"{self._source.name}: ready")
         steps.update()
@@ -303,6 +304,7 @@ class Engine:
         sites: str | Sequence[str] = ("resid",),
         reduce_dtype: str = "float32",
         patch: Patch | Sequence[Patch] | None = None,
+        compare: bool = False,
     ) -> Any:
         """Logit lens of ``prompt`` in one forward pass, reduced on the ranks.
 
@@ -315,11 +317,14 @@ class Engine:
         the ranks ("float32", or "float64"). A list of prompts gives a list of results
         (one trace). ``patch``: an `ek.Patch` or a list of them; the result is the lens of
         the patched run (see `envoykit.patching`), and its ``meta["patches"]`` says so.
+        ``compare=True`` with two prompts gives their `CompareResult` (`envoykit.compare`).
 
         Returns a `LensResult` (a list of them for a list of prompts).
         """
         from envoykit import lens, patching, request
 
+        if compare:
+            return self._compare_prompts(prompt, layers, positions, targets, sites, patch)
         info = self.info
         req = request.build_request(
             self.tokenizer,
@@ -348,10 +353,25 @@ class Engine:
             meta["patches"] = [dataclasses.asdict(p) for p in patches]
         # The whole trace under the guard, not only its run: nnsight cannot build two traces
         # on one model from two threads at once.
-        with self._request():
+        with self.exclusive():
             writes = patching.source_writes(self.model, self.readout, plan)
             results = lens.run(self.model, self.readout, req, meta, writes=writes)
         return results if isinstance(prompt, (list, tuple)) else results[0]
+
+    def _compare_prompts(
+        self, prompts: Any, layers: Any, positions: Any, targets: Any, sites: Any, patch: Any
+    ) -> CompareResult:
+        from envoykit.compare import compare
+
+        if not isinstance(prompts, (list, tuple)) or len(prompts) != 2:
+            raise InvalidRequest("compare=True compares two prompts: lens([a, b], compare=True)")
+        if patch is not None or tuple(sites) != ("resid",):
+            raise InvalidRequest(
+                "compare=True compares the residual stream of two plain prompts; for a patched "
+                "run use ek.compare((engine, prompt), (engine, prompt, patch))"
+            )
+        a, b = prompts
+        return compare((self, a), (self, b), layers=layers, positions=positions, targets=targets)
 
     def attribute(
         self,
@@ -372,7 +392,7 @@ class Engine:
         req = attribution.build_request(
             self.tokenizer, info.vocab, info.max_model_len, prompt, targets, positions
         )
-        with self._request():
+        with self.exclusive():
             return attribution.run(self.model, self.readout, req, self._result_meta())
 
     def patch_sweep(
@@ -418,7 +438,7 @@ class Engine:
         if site != "resid":
             self.readout.require_sublayers()
         return sweep.run(
-            self.model, self.readout, req, self._result_meta(), self._request, progress
+            self.model, self.readout, req, self._result_meta(), self.exclusive, progress
         )
 
     def _result_meta(self) -> dict[str, Any]:
@@ -444,14 +464,18 @@ class Engine:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        with self._request():
+        with self.exclusive():
             outputs = self.model.vllm_entrypoint.generate([prompt], params, use_tqdm=False)
         return outputs[0].outputs[0]
 
     @contextlib.contextmanager
-    def _request(self) -> Iterator[None]:
-        """One request at a time; a dead engine core becomes `EngineDead`; an interrupt
-        aborts what it left in flight, so the next request does not meet its outputs."""
+    def exclusive(self) -> Iterator[None]:
+        """The engine to this thread alone, for work that spans several traces (a patched
+        lens, a sweep, a comparison; every lens and trace already takes it).
+
+        One request at a time; a dead engine core becomes `EngineDead`; an interrupt aborts
+        what it left in flight, so the next request does not meet its outputs.
+        """
         from vllm.v1.engine.exceptions import EngineDeadError
 
         with self._lock:

@@ -29,14 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from envoykit.patching import (
-    OUTPUT_SITES,
-    PRENORM_SITES,
-    Write,
-    write_at,
-    write_embedding,
-    writes_by_layer,
-)
+from envoykit.patching import Write, walk_layers, writes_by_layer
 from envoykit.readout import Readout, at
 from envoykit.request import SITES, LensRequest, Row
 from envoykit.result import LensResult
@@ -64,7 +57,7 @@ def lens_statistics(
     ``[layers, positions]``, ``target_probs``/``target_ranks`` ``[layers, positions, targets]``
     (rank 0 = the most likely token).
     """
-    rows = [_final_norm(norm, hidden, residual) for hidden, residual in streams]
+    rows = [final_norm(norm, hidden, residual) for hidden, residual in streams]
     if positions is not None:
         rows = [row[positions] for row in rows]
     n_pos = rows[0].shape[0]
@@ -83,8 +76,13 @@ def lens_statistics(
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
 
 
-def _final_norm(norm: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    # vLLM's fused add-norm may work in place: the model's own forward must not see it.
+def final_norm(norm: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """A lens row through the model's final norm: the fused add-norm for a stream's
+    ``(hidden, residual)`` pair, as vLLM computes its last step; a lone vector on its own.
+
+    On copies: vLLM's fused add-norm may work in place, and the model's own forward must not
+    see it.
+    """
     if residual is None:
         return norm(hidden.clone())
     return norm(hidden.clone(), residual.clone())[0]
@@ -148,7 +146,6 @@ def run(
     rows = computed_rows(request.rows, readout.n_layers)
     reads = dict(_sites_by_layer(rows))
     to_write = writes_by_layer(writes)
-    layer_numbers = sorted({*reads, *to_write})
     layer_list = at(model, readout.layers)
     norm = at(model, readout.final_norm)
     head = at(model, readout.unembedding)
@@ -164,38 +161,8 @@ def run(
                 steps = nnsight.save([])
                 samples = nnsight.save([])
                 for step in tracer.iter[:steps_wanted]:
-                    streams = []
-                    for number in layer_numbers:
-                        sites = reads.get(number, set())
-                        # Patches go into the prompt's own forward pass, the first step.
-                        here = to_write.get(number, []) if step == 0 else []
-                        if number == 0:
-                            args, kwargs = layer_list[0].inputs
-                            embedded = args[1] if len(args) > 1 else kwargs["hidden_states"]
-                            write_embedding(embedded, here)
-                            if sites:
-                                streams.append((embedded.clone(), None))
-                            continue
-                        layer = layer_list[number - 1]
-                        early = [w for w in here if w.cell.site in PRENORM_SITES]
-                        if early or "attn" in sites or "resid_mid" in sites:
-                            written, before = getattr(layer, prenorm).inputs[0][:2]
-                            write_at(written, before, early, PRENORM_SITES)
-                            # Cloned where read: the fused add-norm may overwrite its inputs.
-                            written, before = written.clone(), before.clone()
-                            if "attn" in sites:
-                                streams.append((written, None))
-                            if "resid_mid" in sites:
-                                streams.append((written, before))
-                        late = [w for w in here if w.cell.site in OUTPUT_SITES]
-                        if late or "mlp" in sites or "resid" in sites:
-                            hidden, residual = layer.output[:2]
-                            write_at(hidden, residual, late, OUTPUT_SITES)
-                            hidden, residual = hidden.clone(), residual.clone()
-                            if "mlp" in sites:
-                                streams.append((hidden, None))
-                            if "resid" in sites:
-                                streams.append((hidden, residual))
+                    # Patches go into the prompt's own forward pass, the first step.
+                    streams = walk_layers(layer_list, prenorm, reads, to_write if step == 0 else {})
                     steps.append(
                         lens_statistics(
                             norm,

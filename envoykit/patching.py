@@ -19,7 +19,7 @@ What a cell holds, by site (see `envoykit.readout`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,42 +118,72 @@ def plan_writes(
     return plan
 
 
+def walk_layers(
+    layer_list: Any,
+    prenorm: str | None,
+    reads: dict[int, set[str]],
+    writes: dict[int, list[Write]],
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Inside a trace: walk the layers in the model's order, write ``writes`` in place, and
+    read each layer's ``reads`` sites as ``(value, residual or None)`` rows ``[T, d_model]``,
+    in the order the model computes them (per layer: attn, resid_mid, mlp, resid)."""
+    streams = []
+    for number in sorted({*reads, *writes}):
+        sites = reads.get(number, set())
+        here = writes.get(number, [])
+        if number == 0:
+            args, kwargs = layer_list[0].inputs
+            embedded = args[1] if len(args) > 1 else kwargs["hidden_states"]
+            write_embedding(embedded, here)
+            if sites:
+                streams.append((embedded.clone(), None))
+            continue
+        layer = layer_list[number - 1]
+        early = [w for w in here if w.cell.site in PRENORM_SITES]
+        if early or "attn" in sites or "resid_mid" in sites:
+            written, before = getattr(layer, prenorm).inputs[0][:2]
+            write_at(written, before, early, PRENORM_SITES)
+            # Cloned where read: the fused add-norm may overwrite its inputs.
+            written, before = written.clone(), before.clone()
+            if "attn" in sites:
+                streams.append((written, None))
+            if "resid_mid" in sites:
+                streams.append((written, before))
+        late = [w for w in here if w.cell.site in OUTPUT_SITES]
+        if late or "mlp" in sites or "resid" in sites:
+            hidden, residual = layer.output[:2]
+            write_at(hidden, residual, late, OUTPUT_SITES)
+            hidden, residual = hidden.clone(), residual.clone()
+            if "mlp" in sites:
+                streams.append((hidden, None))
+            if "resid" in sites:
+                streams.append((hidden, residual))
+    return streams
+
+
 def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell]) -> list[Write]:
     """Run ``prompt`` once and read the value of every cell (whole, any TP): one `Write` per
     cell, still at the cell's own position."""
     import nnsight
 
-    wanted = _by_layer(cells)
+    rows = sorted({(c.layer, c.site) for c in cells}, key=lambda r: (r[0], SITES.index(r[1])))
+    reads: dict[int, set[str]] = {}
+    for layer, site in rows:
+        reads.setdefault(layer, set()).add(site)
     with model.trace(prompt, temperature=0.0, max_tokens=1):
-        values = nnsight.save({})
-        visit_layers(model, readout, wanted, lambda cell, a, b: values.update({cell: (a, b)}))
-    return [Write(cell, *values[cell]) for cell in cells]
+        streams = walk_layers(at(model, readout.layers), readout.mlp_prenorm, reads, {})
+        saved = nnsight.save([(a.cpu(), None if b is None else b.cpu()) for a, b in streams])
+    writes = []
+    for cell in cells:
+        value, residual = dict(zip(rows, saved))[cell.layer, cell.site]
+        pair = None if residual is None else residual[cell.position]
+        writes.append(Write(cell, value[cell.position], pair))
+    return writes
 
 
-def visit_layers(model: Any, readout: Readout, wanted: Mapping[int, list[Cell]], read: Any) -> None:
-    """Inside a trace: walk the layers in ``wanted`` in the model's order and call
-    ``read(cell, value, residual)`` with clones of each cell's value at its position."""
-    layer_list = at(model, readout.layers)
-    for number, cells in sorted(wanted.items()):
-        if number == 0:
-            args, kwargs = layer_list[0].inputs
-            embedded = args[1] if len(args) > 1 else kwargs["hidden_states"]
-            for cell in cells:
-                read(cell, embedded[cell.position].clone(), None)
-            continue
-        layer = layer_list[number - 1]
-        early = [cell for cell in cells if cell.site in PRENORM_SITES]
-        if early:
-            written, before = getattr(layer, readout.mlp_prenorm).inputs[0][:2]
-            for cell in early:
-                pair = before[cell.position].clone() if cell.site in _PAIRED else None
-                read(cell, written[cell.position].clone(), pair)
-        late = [cell for cell in cells if cell.site not in PRENORM_SITES]
-        if late:
-            hidden, residual = layer.output[:2]
-            for cell in late:
-                pair = residual[cell.position].clone() if cell.site in _PAIRED else None
-                read(cell, hidden[cell.position].clone(), pair)
+def write_cells(model: Any, readout: Readout, writes: Sequence[Write]) -> None:
+    """Inside a trace (one invoke): write every value into this run, layer by layer."""
+    walk_layers(at(model, readout.layers), readout.mlp_prenorm, {}, writes_by_layer(writes))
 
 
 def write_embedding(embedded: torch.Tensor, writes: Sequence[Write]) -> None:
@@ -174,13 +204,6 @@ def write_at(
                 second[item.cell.position] = item.residual.to(second)
 
 
-def _by_layer(cells: Sequence[Cell]) -> dict[int, list[Cell]]:
-    layers: dict[int, list[Cell]] = {}
-    for cell in cells:
-        layers.setdefault(cell.layer, []).append(cell)
-    return layers
-
-
 def writes_by_layer(writes: Sequence[Write]) -> dict[int, list[Write]]:
     """Writes grouped by layer number, as the lens trace walks the layers."""
     layers: dict[int, list[Write]] = {}
@@ -198,25 +221,6 @@ def source_writes(
         read = read_cells(model, readout, source, [src for src, _ in pairs])
         writes += [Write(dst, item.value, item.residual) for item, (_, dst) in zip(read, pairs)]
     return writes
-
-
-def write_cells(model: Any, readout: Readout, writes: Sequence[Write]) -> None:
-    """Inside a trace (one invoke): write every value into this run, layer by layer."""
-    layer_list = at(model, readout.layers)
-    for number, here in sorted(writes_by_layer(writes).items()):
-        if number == 0:
-            args, kwargs = layer_list[0].inputs
-            write_embedding(args[1] if len(args) > 1 else kwargs["hidden_states"], here)
-            continue
-        layer = layer_list[number - 1]
-        early = [w for w in here if w.cell.site in PRENORM_SITES]
-        if early:
-            written, before = getattr(layer, readout.mlp_prenorm).inputs[0][:2]
-            write_at(written, before, early, PRENORM_SITES)
-        late = [w for w in here if w.cell.site in OUTPUT_SITES]
-        if late:
-            hidden, residual = layer.output[:2]
-            write_at(hidden, residual, late, OUTPUT_SITES)
 
 
 def next_token_metric(

@@ -16,6 +16,7 @@ from envoykit.metrics import metric_grid, text_colour
 
 if TYPE_CHECKING:  # types only: `LensResult.plot` imports this module, not the other way
     from envoykit.attribution_result import AttributionResult
+    from envoykit.compare_result import CompareResult
     from envoykit.result import LensResult
     from envoykit.sweep_result import SweepResult
 
@@ -164,9 +165,7 @@ def sweep(res: SweepResult, *, effect: bool = False, ax: Any = None) -> Any:
     image = ax.imshow(
         grid, aspect="auto", origin="lower", cmap="Purples", vmin=limits[0], vmax=limits[1]
     )
-    labels = [
-        f"{t!r}" if t == s else f"{s!r}→{t!r}" for s, t in zip(res.source_tokens, res.tokens)
-    ]
+    labels = [f"{t!r}" if t == s else f"{s!r}→{t!r}" for s, t in zip(res.source_tokens, res.tokens)]
     ax.set_xticks(range(n_pos), [_short(label, 16) for label in labels], rotation=45, ha="right")
     step = max(1, n_layers // 15)
     ax.set_yticks(range(0, n_layers, step), res.layer_labels[::step], fontsize=8)
@@ -179,5 +178,41 @@ def sweep(res: SweepResult, *, effect: bool = False, ax: Any = None) -> Any:
         fontsize=9,
     )
     ax.figure.colorbar(image, ax=ax, label=what, fraction=0.04)
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def compare(res: CompareResult, metric: str = "js", *, ax: Any = None) -> Any:
+    """The diff heatmap of two runs: layers x aligned positions, coloured by the JS
+    divergence of their next-token distributions (``metric="js"``) or by the change in a
+    target's probability (``metric=`` the target, b minus a); each cell shows the top-1
+    token, as ``a→b`` where the two runs disagree."""
+    import matplotlib.pyplot as plt
+
+    if metric == "js":
+        grid, label, cmap, limits = res.js, "JS divergence (nats)", "Reds", (0.0, float(np.log(2)))
+    else:
+        grid, cmap = res.delta(metric), "RdBu_r"
+        label, limits = f"Δ p({metric!r}), b − a", (-1.0, 1.0)
+    n_layers, n_pos = grid.shape
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(2.5 + 1.2 * n_pos, 30), min(1.5 + 0.32 * n_layers, 30)))
+    image = ax.imshow(
+        grid, aspect="auto", origin="lower", cmap=cmap, vmin=limits[0], vmax=limits[1]
+    )
+    for li in range(n_layers):
+        for pi in range(n_pos):
+            top_a, top_b = res.top_token("a", li, pi), res.top_token("b", li, pi)
+            text = _short(top_a) if top_a == top_b else f"{_short(top_a, 5)}→{_short(top_b, 5)}"
+            ax.text(pi, li, text, ha="center", va="center", fontsize=6)
+    columns = [a if a == b else f"{a}|{b}" for a, b in zip(res.tokens_a, res.tokens_b)]
+    ax.set_xticks(
+        range(n_pos), [_short(c, 14) for c in columns], rotation=45, ha="right", fontsize=8
+    )
+    ax.set_yticks(range(n_layers), res.layer_labels, fontsize=7)
+    ax.set_xlabel("position (token a|b)")
+    ax.set_ylabel("layer")
+    ax.set_title(f"a: {res.a}\nb: {res.b}", fontsize=8)
+    ax.figure.colorbar(image, ax=ax, label=label, fraction=0.04)
     ax.figure.tight_layout()
     return ax.figure

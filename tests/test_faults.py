@@ -138,6 +138,27 @@ def test_interrupt_during_lens_leaves_engine_usable(tiny2):
     np.testing.assert_array_equal(result.top_ids, expected.top_ids)
 
 
+def test_interrupt_during_sweep_leaves_engine_usable(tiny2):
+    """Ctrl-C during a causal-tracing sweep stops it and the engine serves the next sweep."""
+    sweep = lambda: tiny2.patch_sweep(  # noqa: E731
+        PROMPT, "The capital of Italy is", target_token=5, batch=1, progress=False
+    )
+    expected = sweep()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.5, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(50):  # a sweep of 35 one-cell batches, many times over
+                sweep()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    result, error, _ = call_with_deadline(sweep, 120)
+    assert error is None, error
+    np.testing.assert_array_equal(result.values, expected.values)
+
+
 def peak_rss_since_reset(process: psutil.Process) -> int:
     status = Path(f"/proc/{process.pid}/status").read_text()
     return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024

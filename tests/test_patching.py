@@ -147,3 +147,17 @@ class TestSweep:
         with pytest.raises(ek.InvalidRequest, match=message):
             tiny2.patch_sweep(SOURCE, **call)
         assert tiny2.generate(TARGET, 2)
+
+
+@pytest.mark.slow
+def test_france_into_italy_flips_the_prediction_on_demo(demo3):
+    """The issue's check on the demo model at its multi-rank TP: the last layer's stream at
+    the last position, copied from France, makes the Italy prompt predict ' Paris'."""
+    italy = "The capital of Italy is"
+    plain = demo3.lens(italy, layers=[-1], targets=[" Paris"])
+    patch = ek.Patch("The capital of France is", layer=-1, source_position=-1, target_position=-1)
+    patched = demo3.lens(italy, layers=[-1], targets=[" Paris"], patch=patch)
+    assert demo3.info.tp > 1
+    assert plain.top1(-1)[0][1] != " Paris"
+    assert patched.top1(-1)[0][1] == " Paris"
+    assert patched.target(" Paris").rank[0, -1] == 0

@@ -13,6 +13,7 @@ from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest, ShardedVa
 from envoykit.patching import Patch
 from envoykit.result import LensResult, TargetTrace
 from envoykit.sweep_result import SweepResult
+from envoykit.tuned import LensQuality, TunedLens
 
 __all__ = [
     "AttributionResult",
@@ -22,6 +23,7 @@ __all__ = [
     "EnvoykitError",
     "InvalidRequest",
     "LensExplorer",
+    "LensQuality",
     "LensResult",
     "ModelInfo",
     "Patch",
@@ -29,6 +31,7 @@ __all__ = [
     "ShardedValue",
     "SweepResult",
     "TargetTrace",
+    "TunedLens",
     "compare",
     "plot",
 ]

@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated lens sites: resid, resid_mid, attn, mlp (default: resid)",
     )
 
+    lens.add_argument("--translator", type=Path, help="a tuned lens saved by `envoykit tune`")
+
+    tune = commands.add_parser("tune", help="train a tuned lens on text shipped offline")
+    _engine_options(tune)
+    tune.add_argument("--minutes", type=float, default=5.0, help="training budget")
+    tune.add_argument("--out", type=Path, help="where to save (default: the cache directory)")
+
     attribute = commands.add_parser(
         "attribute", help="direct logit attribution of a target at the last position"
     )
@@ -57,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         with Engine(args.model, args.tp, dtype=args.dtype) as engine:
             if args.command == "info":
                 _print_info(engine, args.prompt)
+            elif args.command == "tune":
+                _tune(engine, args)
             elif args.command == "attribute":
                 _print_attribution(engine, args)
             else:
@@ -80,9 +89,17 @@ def _print_info(engine, prompt: str) -> None:
 
 
 def _print_lens(engine, args: argparse.Namespace) -> None:
+    from envoykit import TunedLens
+
     sites = [site.strip() for site in args.sites.split(",") if site.strip()]
+    translator = None if args.translator is None else TunedLens.load(args.translator, engine)
     res = engine.lens(
-        args.prompt, layers=["embed", "all"], top_k=args.top_k, targets=args.target, sites=sites
+        args.prompt,
+        layers=["embed", "all"],
+        top_k=args.top_k,
+        targets=args.target,
+        sites=sites,
+        translator=translator,
     )
     info = engine.info
     print(f"logit lens of {args.prompt!r} on {info.name}, {info.tp} {info.platform} ranks")
@@ -99,6 +116,22 @@ def _print_lens(engine, args: argparse.Namespace) -> None:
     if args.json:
         res.to_json(str(args.json))
         print(f"result written to {args.json}")
+
+
+def _tune(engine, args: argparse.Namespace) -> None:
+    from envoykit import TunedLens
+    from envoykit.tuned import default_path, offline_texts
+
+    train, held_out = offline_texts()
+    tuned = TunedLens.train(engine, train, max_seconds=args.minutes * 60)
+    path = tuned.save(args.out or default_path(tuned.model))
+    quality = tuned.evaluate(engine, held_out[:3])
+    print(f"trained {tuned.model['steps']} steps; translators written to {path}")
+    print(f"mean KL(final || layer) on {quality.tokens} held-out tokens:")
+    for layer, logit, tuned_kl in zip(quality.layers, quality.logit_kl, quality.tuned_kl):
+        label = "embed" if layer == 0 else layer
+        print(f"  layer {label:>5}: logit {logit:8.3f}  tuned {tuned_kl:8.3f}")
+    print(f"tuned lens closer at {quality.better:.0%} of layers")
 
 
 def _print_attribution(engine, args: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _set_torch_accelerat
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from envoykit.envoys import InstallFragments
+from envoykit.translators import TranslatorStore
 
 WORKER_CLS = "envoykit.cpu.NNsightCPUWorker"
 
@@ -28,8 +29,9 @@ class NNsightCPUModelRunner(InstallFragments, NNsightGPUModelRunner, CPUModelRun
     """vLLM's CPU runner with nnsight's interleaving and envoykit's fragment rules."""
 
 
-class NNsightCPUWorker(CPUWorker):
-    """vLLM's CPU worker building `NNsightCPUModelRunner` and serving nnsight's RPCs."""
+class NNsightCPUWorker(TranslatorStore, CPUWorker):
+    """vLLM's CPU worker building `NNsightCPUModelRunner` and serving nnsight's RPCs (and
+    envoykit's, which installs tuned-lens translators)."""
 
     def init_device(self) -> None:
         # CPUWorker.init_device constructs its runner by the module-level name; pointing

@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envoykit import logs, models, platform
 from envoykit.cleanup import SHM as _SHM
@@ -30,6 +30,9 @@ from envoykit.cleanup import shutdown as _shutdown
 from envoykit.errors import EngineDead, InvalidRequest
 from envoykit.janitor import Janitor
 from envoykit.surface import EngineSurface
+
+if TYPE_CHECKING:
+    from envoykit.tuned import TunedLens
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Enough KV cache for a few prompts of max_model_len tokens on the built-in models.
@@ -138,6 +141,8 @@ class Engine(EngineSurface):
         self._engine_kwargs = engine_kwargs
         self._lock = threading.RLock()
         self._llm: Any = None
+        # Keys of the tuned-lens translators this engine's ranks hold (a restart forgets them).
+        self._translators: set[str] = set()
         self._processes: list[Any] = []
         self._finalizer: weakref.finalize | None = None
         self.log_file = None
@@ -151,6 +156,7 @@ class Engine(EngineSurface):
         started = time.perf_counter()
         already_running = _descendants()
         steps = tqdm(total=3, desc=f"{self._source.name}: preparing", disable=not self._progress)
+        self._translators = set()
         self.log_file, log_env = logs.configure(models.cache_dir() / "logs", self._log_level)
         workers = platform.worker_module(self._platform)
         env = {**platform.rank_environment(self._platform, self._tp), **log_env}
@@ -266,6 +272,22 @@ class Engine(EngineSurface):
             dtype=self._dtype,
             max_model_len=self._max_model_len,
         )
+
+    def _install_translator(self, translator: TunedLens) -> str:
+        """Check ``translator`` belongs to this model and send it to every rank, once."""
+        from envoykit.tuned import TunedLens
+
+        if not isinstance(translator, TunedLens):
+            raise InvalidRequest(
+                f"translator takes an ek.TunedLens, not {type(translator).__name__}"
+            )
+        if translator.key not in self._translators:
+            translator.check(self)
+            self.model.vllm_entrypoint.collective_rpc(
+                "envoykit_install_translators", args=(translator.key, translator.to_bytes())
+            )
+            self._translators.add(translator.key)
+        return translator.key
 
     def generate(self, prompt: str, max_tokens: int = 16) -> str:
         """Greedy continuation of ``prompt`` (plain vLLM generation, no interventions)."""

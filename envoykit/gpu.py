@@ -6,6 +6,7 @@ from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRu
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
 from envoykit.envoys import InstallFragments
+from envoykit.translators import TranslatorStore
 
 WORKER_CLS = "envoykit.gpu.EnvoykitGPUWorker"
 
@@ -14,8 +15,9 @@ class EnvoykitGPUModelRunner(InstallFragments, NNsightGPUModelRunner):
     """nnsight's GPU runner whose envoy tree uses envoykit's fragment rules."""
 
 
-class EnvoykitGPUWorker(NNsightGPUWorker):
-    """nnsight's GPU worker, with the runner class that installs envoykit's fragment rules."""
+class EnvoykitGPUWorker(TranslatorStore, NNsightGPUWorker):
+    """nnsight's GPU worker, with the runner class that installs envoykit's fragment rules
+    (and envoykit's RPC that installs tuned-lens translators)."""
 
     def init_device(self) -> None:
         # nnsight's worker already re-classes vLLM's runner to its own (it adds behaviour,

@@ -33,6 +33,7 @@ from envoykit.patching import Write, walk_layers, writes_by_layer
 from envoykit.readout import Readout, at
 from envoykit.request import SITES, LensRequest, Row
 from envoykit.result import LensResult
+from envoykit.translators import translated
 
 # Full-vocab float32 logits (and their log-softmax) per unembedding call stay under this.
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
@@ -130,11 +131,14 @@ def run(
     meta: dict[str, Any],
     budget: int = DEFAULT_MEMORY_BUDGET,
     writes: Sequence[Write] = (),
+    translator: str | None = None,
 ) -> list[LensResult]:
     """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt.
 
     ``writes`` (see `envoykit.patching`) are written into the prompt's forward pass before
-    anything downstream of them is read: the lens is that of the patched run.
+    anything downstream of them is read: the lens is that of the patched run. ``translator``
+    names tuned-lens translators installed on the ranks (`envoykit.translators`): every
+    residual-stream row but the last layer's goes through them before the final norm.
 
     With ``generate=N`` the trace runs N+1 steps: the prompt's prefill, then each generated
     token as it is fed back, so every position in the result is an input token and its lens
@@ -163,6 +167,8 @@ def run(
                 for step in tracer.iter[:steps_wanted]:
                     # Patches go into the prompt's own forward pass, the first step.
                     streams = walk_layers(layer_list, prenorm, reads, to_write if step == 0 else {})
+                    if translator is not None:
+                        streams = translated(streams, rows, translator, readout.n_layers)
                     steps.append(
                         lens_statistics(
                             norm,
@@ -246,8 +252,8 @@ def _assemble(
         target_ranks=stats["target_ranks"].astype(np.int64),
         n_generated=len(generated),
         meta={
-            **{key: value for key, value in meta.items() if key != "vocab"},
             "lens": "logit",
+            **{key: value for key, value in meta.items() if key != "vocab"},
             "returned_bytes": sum(t.numel() * t.element_size() for s in steps for t in s.values()),
         },
     )

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # types only: `LensResult.plot` imports this module, not the 
     from envoykit.compare_result import CompareResult
     from envoykit.result import LensResult
     from envoykit.sweep_result import SweepResult
+    from envoykit.tuned import LensQuality
 
 
 def heatmap(
@@ -54,7 +55,9 @@ def heatmap(
     ax.set_yticks(range(n_layers), res.layer_labels, fontsize=8)
     ax.set_xlabel("input token")
     ax.set_ylabel("layer")
-    ax.set_title(title or f"logit lens: {label}, top-1 token per cell", fontsize=10)
+    ax.set_title(
+        title or f"{res.meta.get('lens', 'logit')} lens: {label}, top-1 token per cell", fontsize=10
+    )
     ax.figure.colorbar(image, ax=ax, label=label, fraction=0.04)
     ax.figure.tight_layout()
     return ax.figure
@@ -214,5 +217,31 @@ def compare(res: CompareResult, metric: str = "js", *, ax: Any = None) -> Any:
     ax.set_ylabel("layer")
     ax.set_title(f"a: {res.a}\nb: {res.b}", fontsize=8)
     ax.figure.colorbar(image, ax=ax, label=label, fraction=0.04)
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def lens_quality(quality: LensQuality, *, ax: Any = None) -> Any:
+    """Mean KL(final || layer) per layer for the logit lens and the tuned lens on held-out
+    text (log scale): the tuned-lens paper's headline figure."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    labels = ["embed" if layer == 0 else str(int(layer)) for layer in quality.layers]
+    x = np.arange(len(labels))
+    ax.plot(x, quality.logit_kl, marker="o", label="logit lens")
+    ax.plot(x, quality.tuned_kl, marker="o", label="tuned lens")
+    ax.set_yscale("log")
+    step = max(1, len(labels) // 15)
+    ax.set_xticks(x[::step], labels[::step], fontsize=8)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean KL(final || layer) (nats)")
+    ax.set_title(
+        f"lens quality on {quality.tokens} held-out tokens: tuned lens closer at "
+        f"{quality.better:.0%} of layers",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8)
     ax.figure.tight_layout()
     return ax.figure

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from envoykit.engine import ModelInfo
     from envoykit.patching import Patch
     from envoykit.sweep_result import SweepResult
+    from envoykit.tuned import TunedLens
 
 
 class EngineSurface:
@@ -73,6 +74,7 @@ class EngineSurface:
         reduce_dtype: str = "float32",
         patch: Patch | Sequence[Patch] | None = None,
         compare: bool = False,
+        translator: TunedLens | None = None,
     ) -> Any:
         """Logit lens of ``prompt`` in one forward pass, reduced on the ranks.
 
@@ -86,6 +88,8 @@ class EngineSurface:
         (one trace). ``patch``: an `ek.Patch` or a list of them; the result is the lens of
         the patched run (see `envoykit.patching`), and its ``meta["patches"]`` says so.
         ``compare=True`` with two prompts gives their `CompareResult` (`envoykit.compare`).
+        ``translator``: a `TunedLens` of this model; the residual-stream rows go through its
+        translators on the ranks (a tuned lens), and ``meta["lens"]`` says "tuned".
 
         Returns a `LensResult` (a list of them for a list of prompts).
         """
@@ -116,15 +120,30 @@ class EngineSurface:
             plan = patching.plan_writes(self.tokenizer, patches, req.prompt_ids[0], info.n_layers)
         if any(site != "resid" for _, site in req.rows) or any(p.site != "resid" for p in patches):
             self.readout.require_sublayers()
+        key = None
+        if translator is not None:
+            if any(site != "resid" for _, site in req.rows):
+                raise InvalidRequest(
+                    "tuned-lens translators are trained for the residual stream after each "
+                    "layer: use sites=('resid',) with a translator"
+                )
+            key = self._install_translator(translator)
         meta = self._result_meta()
+        if key is not None:
+            meta.update(lens="tuned", translator=key)
         if patches:
             meta["patches"] = [dataclasses.asdict(p) for p in patches]
         # The whole trace under the guard, not only its run: nnsight cannot build two traces
         # on one model from two threads at once.
         with self.exclusive():
             writes = patching.source_writes(self.model, self.readout, plan)
-            results = lens.run(self.model, self.readout, req, meta, writes=writes)
+            results = lens.run(self.model, self.readout, req, meta, writes=writes, translator=key)
         return results if isinstance(prompt, (list, tuple)) else results[0]
+
+    def _install_translator(self, translator: TunedLens) -> str:
+        """Make ``translator`` available on the ranks; its key. Engines that can reach their
+        ranks override this."""
+        raise InvalidRequest(f"{type(self).__name__} cannot install tuned-lens translators")
 
     def _compare_prompts(
         self, prompts: Any, layers: Any, positions: Any, targets: Any, sites: Any, patch: Any

@@ -1,0 +1,92 @@
+"""The tuned lens on tiny: trained against the engine, applied on the ranks.
+
+Checks: on held-out text the tuned lens is closer to the final distribution than the logit
+lens at >= 3 of 4 layers after seconds of training; training is deterministic given the
+seed; the same translators give the same lens at TP=1 and TP=2 (1e-5); they are sent to the
+ranks once per engine; files round-trip and are refused on another model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import envoykit as ek
+from envoykit.tuned import offline_texts
+
+pytestmark = pytest.mark.engine
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return offline_texts()
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny2, texts):
+    return ek.TunedLens.train(tiny2, texts[0], max_seconds=20, progress=False)
+
+
+def test_tuned_lens_beats_the_logit_lens_on_held_out_text(tiny2, tuned, texts):
+    quality = tuned.evaluate(tiny2, texts[1][:2])
+    assert quality.tokens > 100
+    assert (quality.tuned_kl < quality.logit_kl).sum() >= 3, quality.to_pandas()
+
+
+def test_training_is_deterministic(tiny2, texts):
+    first, second = (
+        ek.TunedLens.train(tiny2, texts[0], steps=3, progress=False, seed=1) for _ in range(2)
+    )
+    assert first.key == second.key
+    other = ek.TunedLens.train(tiny2, texts[0], steps=3, progress=False, seed=2)
+    assert other.key != first.key
+
+
+def test_tp1_equals_tp2_and_sent_once(tiny_engines, tuned, monkeypatch):
+    results = {tp: tiny_engines[tp].lens(PROMPT, translator=tuned) for tp in (1, 2)}
+    np.testing.assert_allclose(results[1].kl, results[2].kl, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(results[1].top_ids[..., 0], results[2].top_ids[..., 0])
+    assert results[2].meta["lens"] == "tuned"
+    plain = tiny_engines[2].lens(PROMPT)
+    assert results[2].meta["returned_bytes"] == plain.meta["returned_bytes"]
+    np.testing.assert_array_equal(results[2].kl[-1], plain.kl[-1])  # the last layer is exact
+    calls = []
+    entry = tiny_engines[2].model.vllm_entrypoint
+    monkeypatch.setattr(entry, "collective_rpc", lambda *a, **k: calls.append(a))
+    tiny_engines[2].lens(PROMPT, translator=tuned)
+    assert calls == []  # already on the ranks
+
+
+def test_save_load_and_another_model_is_refused(tiny2, tuned, tmp_path):
+    path = tuned.save(tmp_path / "tiny.safetensors")
+    again = ek.TunedLens.load(path, engine=tiny2)
+    assert again.key == tuned.key
+    other = ek.TunedLens(tuned.weights, {**tuned.model, "name": "demo", "head_hash": "0" * 64})
+    other.save(tmp_path / "other.safetensors")
+    with pytest.raises(ek.InvalidRequest, match=r"trained on 'demo'.*not on the engine's 'tiny'"):
+        ek.TunedLens.load(tmp_path / "other.safetensors", engine=tiny2)
+    with pytest.raises(ek.InvalidRequest, match="trained on 'demo'"):
+        tiny2.lens(PROMPT, translator=other)
+    assert tiny2.lens(PROMPT, layers=[1]).layers.tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"texts": []}, "non-empty list of texts"),
+        ({"texts": ["short text here, only a few tokens"]}, "fewer than one batch"),
+        ({"max_seconds": 0}, "max_seconds must be positive"),
+        ({"steps": -1}, "steps must be positive"),
+    ],
+)
+def test_bad_training_request_is_refused(tiny2, texts, kwargs, message):
+    call = {"texts": texts[0], "steps": 1, "progress": False, **kwargs}
+    with pytest.raises(ek.InvalidRequest, match=message):
+        ek.TunedLens.train(tiny2, call.pop("texts"), **call)
+
+
+def test_translator_only_for_the_residual_stream(tiny2, tuned):
+    with pytest.raises(ek.InvalidRequest, match="residual stream"):
+        tiny2.lens(PROMPT, sites=["attn"], translator=tuned)

@@ -29,6 +29,7 @@ class Janitor:
     or directories with their contents) once they are gone."""
 
     def __init__(self, pids: list[int], paths: list[str]) -> None:
+        self.paths = list(paths)
         read, self._write = os.pipe()
         self._process = subprocess.Popen(
             [sys.executable, "-I", __file__, *map(str, pids), "--", *paths],
@@ -57,26 +58,44 @@ def _start_time(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]
 
 
-def main(argv: list[str]) -> None:
-    split = argv.index("--")
-    pids, paths = [int(pid) for pid in argv[:split]], argv[split + 1 :]
-    started = {pid: _start_time(pid) for pid in pids}  # a reused pid is someone else's
+def start_times(pids: list[int]) -> dict[int, str | None]:
+    """Each process's start time now: a pid seen later with another start time (or none) is
+    someone else's, or no one's."""
+    return {pid: _start_time(pid) for pid in pids}
+
+
+def clean_up(started: dict[int, str | None], paths: list[str], grace: float) -> None:
+    """Wait up to ``grace`` seconds for the processes in ``started`` (`start_times`) to exit,
+    kill what is left, then remove ``paths``.
+
+    A process may exit between the check and the kill; the kill then finds no process
+    (ProcessLookupError), which is what it was for. Unhandled, that error ended the janitor
+    before it removed anything, with nobody to see it (its stderr goes nowhere).
+    """
 
     def alive() -> list[int]:
-        return [pid for pid in pids if started[pid] and _start_time(pid) == started[pid]]
+        return [pid for pid, start in started.items() if start and _start_time(pid) == start]
 
-    sys.stdin.buffer.read()  # returns at end of file: the owner closed the engine, or died
-    deadline = time.monotonic() + _GRACE_SECONDS
+    deadline = time.monotonic() + grace
     while alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in alive():
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     for path in paths:
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def main(argv: list[str]) -> None:
+    split = argv.index("--")
+    pids, paths = [int(pid) for pid in argv[:split]], argv[split + 1 :]
+    started = start_times(pids)
+    sys.stdin.buffer.read()  # returns at end of file: the owner closed the engine, or died
+    clean_up(started, paths, _GRACE_SECONDS)
 
 
 if __name__ == "__main__":

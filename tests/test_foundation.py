@@ -229,6 +229,30 @@ class TestLifecycle:
         assert_nothing_left_within(before, 5)
 
 
+def test_janitor_cleans_up_after_a_process_that_exits_just_before_its_kill(tmp_path, monkeypatch):
+    """A process can exit between the janitor's last look and its SIGKILL, which then finds
+    no process (ProcessLookupError); the janitor still removes what the engine left."""
+    from envoykit import janitor
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    segment, scratch = tmp_path / "psm_segment", tmp_path / "envoykit-scratch"
+    segment.touch()
+    scratch.mkdir()
+    (scratch / "socket").touch()
+    kill = os.kill
+
+    def kill_once_it_has_exited(pid: int, sig: int) -> None:
+        kill(sleeper.pid, signal.SIGKILL)  # it exits (and is reaped) just before the signal
+        sleeper.wait()
+        kill(pid, sig)
+
+    monkeypatch.setattr(janitor.os, "kill", kill_once_it_has_exited)
+    started = janitor.start_times([sleeper.pid])
+    janitor.clean_up(started, [str(segment), str(scratch)], grace=0)
+    assert sleeper.returncode is not None
+    assert not segment.exists() and not scratch.exists()
+
+
 def run_cell(client, code: str) -> str:
     """Run ``code`` in the kernel; its printed output, or fail with the kernel's error."""
     out: list[str] = []

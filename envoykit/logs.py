@@ -1,9 +1,11 @@
-"""vLLM's logging: warnings on screen, the full log in a file.
+"""vLLM's logging: errors on screen by default, the full log in a file.
 
 A TP=2 load prints a few hundred INFO lines from the client, the engine core and every rank
 into the notebook cell. vLLM reads a Python logging config file named by
 ``VLLM_LOGGING_CONFIG_PATH`` in every process it starts (they inherit the environment), so one
 file routes every process's records: INFO and up to a log file, ``level`` and up to the screen.
+The same file sends torch's one-line notice about Triton, printed by every process, to the log
+file only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TORCH_TRITON = "torch._library.triton"
 
 
 def configure(directory: Path, level: str) -> tuple[Path, dict[str, str]]:
@@ -51,7 +54,14 @@ def configure(directory: Path, level: str) -> tuple[Path, dict[str, str]]:
                 "level": level,
             },
         },
-        "loggers": {"vllm": {"handlers": ["file", "screen"], "level": "INFO", "propagate": False}},
+        "loggers": {
+            "vllm": {"handlers": ["file", "screen"], "level": "INFO", "propagate": False},
+            # torch notes in every process that Triton is missing ("Triton not available,
+            # find_triton_kernels = []") when vLLM registers its Triton ops; vLLM's CPU
+            # backend never uses Triton. torch re-attaches its own handler to its top
+            # logger whenever it is imported, but leaves this module's logger alone.
+            _TORCH_TRITON: {"handlers": ["file"], "level": "WARNING", "propagate": False},
+        },
     }
     config_file = log_file.with_suffix(".logging.json")
     config_file.write_text(json.dumps(config))

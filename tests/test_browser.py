@@ -3,12 +3,14 @@
 One test runs `LensExplorer` on a 2-rank ``tiny`` engine inside a JupyterLab kernel and
 checks, against the values the kernel itself holds, that the tooltip shows the cell's top-k,
 that a click reaches the kernel as a selection and opens the attribution panel at its
-position, that pinning a token re-runs the lens and redraws the trajectory, and that
-sub-layer sites picked in the layer picker (a click, a drag) come back as labelled heatmap
-rows whose cells attribute too. Others open the standalone HTML export with no kernel at all, and a
-stored result whose every text is markup, read-only in JupyterLab and in the export: it must
-show as text and run nothing, in the light and the dark theme. Screenshots land in
-``artifacts/``.
+position, that pinning a token re-runs the lens and redraws the trajectory, that sub-layer
+sites picked in the layer picker (a click, a drag) come back as labelled heatmap rows whose
+cells attribute too, and, in compare mode, that the diff heatmap draws, that a cell dragged
+from the second prompt's heatmap onto the first's patches it in and redraws the first, and
+that the Sweep button fills its progress bar and draws the map. Others open the standalone
+HTML export with no kernel at all, and a stored result whose every text is markup, read-only
+in JupyterLab and in the export: it must show as text and run nothing, in the light and the
+dark theme. Screenshots land in ``artifacts/`` (git-ignored).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
 NOTEBOOK = Path(__file__).parent / "browser" / "explorer.ipynb"
 READ_ONLY_NOTEBOOK = Path(__file__).parent / "browser" / "readonly.ipynb"
+# The heatmaps of an explorer: the first prompt's, and in compare mode the second prompt's
+# (cells to drag) and the diff. The standalone page has one, of no explorer.
+HEATMAP = ".ek-heatmap"
+MAIN = ".ek-main-heatmap .ek-heatmap"
+SOURCE = ".ek-source-heatmap .ek-heatmap"
+DIFF = ".ek-diff-heatmap .ek-heatmap"
+PROMPT = "The capital of France is"  # the notebook's
+OTHER = "The capital of Italy is"  # as many tokens as PROMPT on tiny
 
 pytestmark = pytest.mark.skipif(
     not Path(CHROMIUM).exists(),
@@ -75,13 +85,18 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def hover_cell(page: Any, layer: int, position: int) -> dict[str, Any]:
-    """Move the mouse over a heatmap cell; the tooltip's rows as the page shows them."""
-    heatmap = page.locator(".ek-heatmap")
-    heatmap.evaluate("root => root.scrollIntoView({block: 'center'})")
-    point = heatmap.evaluate("(root, [l, p]) => root.ekCellCenter(l, p)", [layer, position])
+def cell_center(page: Any, root: str, layer: int, position: int) -> dict[str, float]:
+    """Where on screen cell (layer, position) of heatmap ``root`` is, scrolled into its view."""
+    return page.locator(root).evaluate("(el, [l, p]) => el.ekCellCenter(l, p)", [layer, position])
+
+
+def hover_cell(page: Any, layer: int, position: int, root: str = HEATMAP) -> dict[str, Any]:
+    """Move the mouse over a cell of heatmap ``root``; the tooltip's rows as the page shows
+    them."""
+    page.locator(root).evaluate("el => el.scrollIntoView({block: 'center'})")
+    point = cell_center(page, root, layer, position)
     page.mouse.move(point["x"], point["y"])
-    tip = page.locator(".ek-tooltip")
+    tip = page.locator(f"{root} .ek-tooltip")
     tip.wait_for(state="visible", timeout=5000)
     assert tip.get_attribute("data-layer") == str(layer)
     assert tip.get_attribute("data-position") == str(position)
@@ -131,12 +146,12 @@ def css_luminance(colour: str) -> float:
     return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
 
 
-def assert_model_text_is_text(page: Any, res: ek.LensResult) -> None:
+def assert_model_text_is_text(page: Any, res: ek.LensResult, root: str = HEATMAP) -> None:
     """Every token in the tooltip of the last layer's cells shows literally, none became
     markup, and no handler in the text ran."""
     for position in range(len(res.tokens)):
         layer = len(res.layers) - 1
-        tip = hover_cell(page, layer, position)
+        tip = hover_cell(page, layer, position, root)
         tokens = res.top_tokens[layer, position].tolist()
         assert_tooltip_matches(
             tip["rows"],
@@ -144,9 +159,9 @@ def assert_model_text_is_text(page: Any, res: ek.LensResult) -> None:
             tokens,
             res.top_probs[layer, position].tolist(),
         )
-        shown = page.locator(".ek-tooltip .ek-token").all_inner_texts()
+        shown = page.locator(f"{root} .ek-tooltip .ek-token").all_inner_texts()
         assert shown == [json.dumps(token) for token in tokens]
-        head = page.locator(".ek-tooltip .ek-tip-head").inner_text()
+        head = page.locator(f"{root} .ek-tooltip .ek-tip-head").inner_text()
         assert json.dumps(res.tokens[position]) in head
     assert_nothing_ran(page)
 
@@ -413,8 +428,8 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
     page = browser.new_page(viewport={"width": 1200, "height": 900})
     try:
         open_and_run(page, lab, "readonly.ipynb", "notebook:run-all-cells")
-        page.wait_for_selector(".ek-heatmap[data-drawn]", timeout=120000)
-        assert_model_text_is_text(page, res)
+        page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=120000)
+        assert_model_text_is_text(page, res, MAIN)
 
         menu = page.locator(".widget-dropdown select")
         options = [text.replace("\xa0", " ") for text in menu.locator("option").all_inner_texts()]
@@ -427,22 +442,22 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
         )
         assert_nothing_ran(page)
 
-        heatmap = page.locator(".ek-heatmap")
+        heatmap = page.locator(MAIN)
         assert heatmap.evaluate(CANVAS_BACKGROUND) > 0.9
         page.evaluate(
             "() => window.jupyterapp.commands.execute("
             "'apputils:change-theme', {theme: 'JupyterLab Dark'})"
         )
         page.wait_for_function(
-            f"() => ({CANVAS_BACKGROUND})(document.querySelector('.ek-heatmap')) < 0.1",
+            f"() => ({CANVAS_BACKGROUND})(document.querySelector('{MAIN}')) < 0.1",
             timeout=30000,
         )
         # JupyterLab covers the page with its splash screen while it switches themes.
         page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30000)
         legend = heatmap.locator(".ek-legend").evaluate("el => getComputedStyle(el).color")
         assert css_luminance(legend) > 0.8
-        hover_cell(page, len(res.layers) - 1, 0)
-        tip = page.locator(".ek-tooltip")
+        hover_cell(page, len(res.layers) - 1, 0, MAIN)
+        tip = page.locator(f"{MAIN} .ek-tooltip")
         assert css_luminance(tip.evaluate("el => getComputedStyle(el).backgroundColor")) < 0.2
         assert css_luminance(tip.evaluate("el => getComputedStyle(el).color")) > 0.8
         ARTIFACTS.mkdir(exist_ok=True)
@@ -506,8 +521,8 @@ def attribute_a_cell(page: Any, state: Callable[[], dict], label: str, target: i
     check the attribution panel follows: position 0, token ``target``. The row's index."""
     res = state()["result"]
     row = res["layer_labels"].index(label)
-    tip = hover_cell(page, row, 0)
-    head = page.locator(".ek-tooltip .ek-tip-head").inner_text()
+    tip = hover_cell(page, row, 0, MAIN)
+    head = page.locator(f"{MAIN} .ek-tooltip .ek-tip-head").inner_text()
     assert head.startswith(f"layer {label} · "), head
     assert_tooltip_matches(
         tip["rows"], res["top_ids"][row][0], res["top_tokens"][row][0], res["top_probs"][row][0]
@@ -532,6 +547,109 @@ def attribute_a_cell(page: Any, state: Callable[[], dict], label: str, target: i
     panel.screenshot(path=str(ARTIFACTS / "explorer_attribution.png"))
     page.locator(".ek-picker").screenshot(path=str(ARTIFACTS / "explorer_picker.png"))
     return row
+
+
+# A digest of the canvas's pixels: whether what is drawn changed.
+CANVAS_DIGEST = """root => {
+    const px = root.querySelector("canvas.ek-canvas").getContext("2d")
+        .getImageData(0, 0, 400, 300).data;
+    let sum = 0;
+    for (let i = 0; i < px.length; i++) sum = (sum * 31 + px[i]) % 1000000007;
+    return sum;
+}"""
+
+
+def compare_and_drag_to_patch(page: Any, state: Callable[[], dict], run_button: Any) -> None:
+    """Tick compare, type the second prompt, Run: the diff heatmap draws. Then drag the
+    second prompt's cell (row "2", the first position where the prompts differ) onto the
+    first prompt's heatmap, on another row of that column: the kernel patches layer 2 there
+    and the first heatmap is redrawn."""
+    page.locator(".widget-checkbox input").check()
+    page.locator(".widget-textarea textarea").nth(1).fill(OTHER)
+    run_button.click()
+    compared = wait_for(
+        lambda: (s := state()).get("comparison") and s.get("other") and s, 120, "the diff"
+    )
+    wait_for(run_button.is_enabled, 60, "the Run button to come back")
+    res, other = compared["result"], compared["other"]
+    assert other["prompt"] == OTHER and other["layer_labels"] == res["layer_labels"]
+    assert compared["comparison"]["top_labels"] == ["first", "second"]
+    layers = sorted({label.split(".")[0] for label in res["layer_labels"]}, key=_layer_number)
+    assert compared["comparison"]["layer_labels"] == layers
+    assert compared["comparison"]["shape"] == [len(layers), len(res["tokens"])]
+    page.wait_for_selector(f"{DIFF}[data-drawn]", timeout=30000)
+    assert "JS divergence" in page.locator(f"{DIFF} .ek-legend").inner_text()
+
+    position = next(i for i, (a, b) in enumerate(zip(res["tokens"], other["tokens"])) if a != b)
+    source_row = other["layer_labels"].index("2")
+    target_row = len(res["layer_labels"]) - 1  # the top row: not the one that is patched
+    page.keyboard.press("Escape")  # the tooltip a click left open
+    main = page.locator(MAIN)
+    main.evaluate("el => el.scrollIntoView({block: 'start'})")
+    before = main.evaluate(CANVAS_DIGEST)
+    start = cell_center(page, SOURCE, source_row, position)
+    end = cell_center(page, MAIN, target_row, position)
+    viewport = page.viewport_size
+    assert 0 < start["y"] < viewport["height"] and 0 < end["y"] < viewport["height"]
+    page.mouse.move(start["x"], start["y"])
+    page.mouse.down()
+    page.mouse.move(end["x"], end["y"], steps=12)
+    ghost = page.locator(".ek-ghost")
+    assert f"→ position {position} " in ghost.inner_text()  # where it lands, said while dragging
+    assert ghost.inner_text().endswith(", row 2")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "explorer_drag.png"))
+    page.mouse.up()
+    assert ghost.count() == 0
+
+    patched = wait_for(lambda: (s := state())["result"]["patches"] and s, 120, "the patched lens")
+    assert patched["result"]["patches"] == [
+        {
+            "source": OTHER,
+            "layer": 2,
+            "site": "resid",
+            "source_position": position,
+            "target_position": position,
+        }
+    ]
+    assert patched["result"]["top_probs"] != res["top_probs"]
+    wait_for(
+        lambda: (state().get("comparison") or {}).get("top_labels") == ["clean", "patched"],
+        60,
+        "the diff of the run and its patched run",
+    )
+    page.wait_for_function(
+        f"before => ({CANVAS_DIGEST})(document.querySelector('{MAIN}')) !== before",
+        arg=before,
+        timeout=30000,
+    )
+    assert "patched: row 2" in page.locator(".ek-main-heatmap").evaluate(
+        "el => el.previousElementSibling.textContent"
+    )
+    page.screenshot(path=str(ARTIFACTS / "explorer_compare.png"), full_page=True)
+
+
+def _layer_number(label: str) -> int:
+    return 0 if label == "embed" else int(label)
+
+
+def sweep(page: Any, state: Callable[[], dict]) -> None:
+    """Press Sweep: the progress bar fills and the map is drawn, a row per picked layer."""
+    page.locator("button.widget-button", has_text="Sweep").click()
+    done = wait_for(lambda: (s := state()).get("sweep") and s, 180, "the sweep")
+    res = done["result"]
+    layers = sorted({_layer_number(label.split(".")[0]) for label in res["layer_labels"]})
+    assert done["sweep"] == {
+        "shape": [len(layers), len(res["tokens"])],
+        "layers": layers,
+        "source": OTHER,
+        "target": PROMPT,
+    }
+    assert done["progress"] == [len(layers), len(layers)]
+    page.locator(".ek-sweep img").wait_for(state="visible", timeout=30000)
+    bar = page.locator(".ek-sweep .widget-hprogress .progress-bar")
+    wait_for(lambda: bar.evaluate("el => el.style.width") == "100%", 30, "a full progress bar")
+    page.locator(".ek-sweep").screenshot(path=str(ARTIFACTS / "explorer_sweep.png"))
 
 
 @pytest.mark.engine
@@ -565,7 +683,7 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         t = time.monotonic()
         run_button.click()
         wait_for(lambda: state().get("result"), 120, "the lens result in the kernel")
-        page.wait_for_selector(".ek-heatmap[data-drawn]", timeout=30000)
+        page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=30000)
         # Enabled again means the kernel has finished the whole Run (result, heatmap, plot).
         wait_for(run_button.is_enabled, 60, "the Run button to come back")
         timings["run"] = time.monotonic() - t
@@ -573,7 +691,7 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         t = time.monotonic()
         res = state()["result"]
         layer, position = len(res["layer_labels"]) - 1, len(res["top_ids"][0]) - 1
-        tip = hover_cell(page, layer, position)
+        tip = hover_cell(page, layer, position, MAIN)
         assert_tooltip_matches(
             tip["rows"],
             res["top_ids"][layer][position],
@@ -593,7 +711,7 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         before = page.evaluate("() => document.querySelector('.ek-trajectory img').src")
 
         new_id = next(r["id"] for r in tip["rows"] if r["id"] not in res["target_ids"])
-        page.locator(f'.ek-tooltip .ek-token[data-id="{new_id}"]').click()
+        page.locator(f'{MAIN} .ek-tooltip .ek-token[data-id="{new_id}"]').click()
         pinned = wait_for(
             lambda: (s := state()) and str(new_id) in s.get("trajectory", []) and s,
             120,
@@ -619,12 +737,19 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         row = attribute_a_cell(page, state, labels[-3], new_id)  # the last layer's attention
         timings["sub-layer sites + attribution"] = time.monotonic() - t
 
-        page.locator(".widget-textarea textarea").evaluate(
+        page.locator(".widget-textarea textarea").first.evaluate(
             "el => el.scrollIntoView({block: 'start'})"
         )
-        hover_cell(page, row, 0)
+        hover_cell(page, row, 0, MAIN)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "explorer_jupyterlab.png"), full_page=True)
+
+        t = time.monotonic()
+        compare_and_drag_to_patch(page, state, run_button)
+        timings["compare + drag to patch"] = time.monotonic() - t
+        t = time.monotonic()
+        sweep(page, state)
+        timings["sweep"] = time.monotonic() - t
 
         t = time.monotonic()
         page.evaluate(

@@ -8,6 +8,7 @@ the clicks themselves.
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import re
 import subprocess
@@ -24,9 +25,11 @@ from envoykit import plot
 from envoykit.envoys import Location
 from envoykit.explorer import (
     AttributionPanel,
+    ComparePanel,
     Heatmap,
     LayerPicker,
     LensExplorer,
+    compare_data,
     heatmap_data,
     picker_layers,
     result_layers,
@@ -34,9 +37,12 @@ from envoykit.explorer import (
     standalone_html,
     widgets_dir,
 )
+from envoykit.explorer.compare_panel import drop_patch, patched_cell
+from envoykit.explorer.sweep_panel import join_rows
 from envoykit.request import describe_target, lens_rows
 
 PROMPT = "The capital of France is"
+OTHER = "The capital of Italy is"  # as many tokens as PROMPT on tiny (7)
 
 # Model text is arbitrary: each of these runs a script if it ever reaches a page as HTML.
 XSS_IMG = "<img src=x onerror=window.__pwned=1>"
@@ -242,6 +248,16 @@ def test_read_only_explorer_picks_sublayer_rows():
     assert "needs an engine" in explorer.attribution_panel.header.value
 
 
+def test_read_only_explorer_has_no_compare_mode():
+    explorer = LensExplorer(ek.LensResult.example(), compare_with=OTHER)
+    assert explorer.compare.disabled and not explorer.compare.value
+    assert explorer.compare_box.layout.display == "none"
+    assert explorer.patch_cell([0, 0], [0, 0]) is None
+    assert "needs compare mode" in explorer.message.value
+    assert explorer.run_sweep() is None and explorer.sweep is None
+    assert "Run in compare mode first" in explorer.sweep_panel.header.value
+
+
 def test_attribution_panel_draws_and_escapes():
     """The panel names target and position as text (an HTML widget: escaped), draws the
     attention and MLP bars with the clicked row's layer shaded, and forgets them on a
@@ -275,6 +291,99 @@ def test_attribution_panel_draws_and_escapes():
     panel.say("type or pin a target")
     assert (panel.result, panel.figure, panel.view.outputs) == (None, None, ())
     assert "type or pin a target" in panel.header.value
+
+
+def diverging_comparison() -> ek.CompareResult:
+    """`CompareResult.example` where the runs' top-1 differs in the second cell and the
+    second column's input tokens differ."""
+    res = ek.CompareResult.example()
+    return dataclasses.replace(
+        res, top_ids_b=np.array([[3, 5]]), top_tokens_b=(" z", XSS_IMG), js=np.array([[0.1, 0.5]])
+    )
+
+
+def test_diff_payload_names_both_runs_and_colours_like_plot_compare():
+    res = diverging_comparison()
+    data = compare_data(res, ("clean", "patched"))
+    assert data["layer_labels"] == ["1"]
+    assert data["tokens"] == ["a", " b| c"]
+    assert data["cell_text"] == [[" z", f" w→{XSS_IMG}"]]
+    assert data["top_labels"] == ["clean", "patched"]
+    assert data["top_ids"] == [[[3, 3], [4, 5]]]
+    assert data["vocab"] == {"3": " z", "4": " w", "5": XSS_IMG}
+    np.testing.assert_allclose(data["top_probs"], [[[0.5, 0.75], [0.5, 0.5]]])
+    assert list(data["grids"]) == ["js", " z"]
+    np.testing.assert_allclose(data["grids"][" z"]["values"], res.delta(" z"))
+    assert data["grids"][" z"]["label"] == "Δ p(' z'), patched − clean"
+    for key, grid in data["grids"].items():
+        figure = plot.compare(res, key)
+        image = figure.axes[0].images[0]
+        assert (grid["vmin"], grid["vmax"]) == pytest.approx(image.get_clim())
+        samples = image.cmap(np.linspace(0, 1, len(grid["stops"])))
+        assert grid["stops"] == [to_hex(colour) for colour in samples]
+        plt.close(figure)
+    assert data["grids"][" z"]["cmap"] == "RdBu_r"  # diverging: no change is the middle
+
+
+def test_a_drop_patches_the_dragged_row_at_the_column_dropped_on():
+    """The patch takes the dragged cell's row (layer and site) and position; of the cell
+    dropped on only the column counts."""
+    source = rows_result([(0, "resid"), (2, "attn"), (2, "resid")])
+    target = rows_result([(0, "resid"), (2, "attn"), (2, "resid")])
+    patch = drop_patch(source, [1, 0], target, [2, 1])  # dropped on row 2, column 1
+    assert patch == ek.Patch("a b", 2, source_position=0, target_position=1, site="attn")
+    assert patched_cell(target, patch) == [1, 1]  # the dragged row, the column dropped on
+    assert patched_cell(rows_result([(0, "resid")]), patch) is None
+    for source_cell, target_cell in (([3, 0], [0, 0]), ([0, 2], [0, 0]), ([0, 0], [0, 5])):
+        with pytest.raises(ek.InvalidRequest, match="outside its heatmap"):
+            drop_patch(source, source_cell, target, target_cell)
+
+
+def test_heatmap_drop_is_a_checked_pair_of_cells():
+    view = Heatmap(drag_role="source", drag_group="g")
+    assert view.get_state()["drop"] is None
+    view.set_state({"drop": {"source": [1, 2], "target": [0, 3]}})
+    assert view.drop == {"source": [1, 2], "target": [0, 3]}
+    for bad in (
+        {"source": [1, 2]},
+        {"source": [1], "target": [0, 0]},
+        {"source": [-1, 0], "target": [0, 0]},
+        {"source": [True, 0], "target": [0, 0]},
+        {"source": [0, 0], "target": [0, 0], "x": 1},
+    ):
+        with pytest.raises(traitlets.TraitError):
+            view.set_state({"drop": bad})
+    with pytest.raises(traitlets.TraitError):
+        view.set_state({"drag_role": "sink"})
+
+
+def test_compare_panel_shows_model_text_as_text():
+    panel = ComparePanel("g")
+    assert (panel.source.drag_role, panel.source.drag_group) == ("source", "g")
+    panel.show_source(hostile_result())
+    panel.show_diff(diverging_comparison(), ("first", "second"), XSS_SCRIPT)
+    for header in (panel.source_header.value, panel.diff_header.value):
+        assert "<img" not in header and "<script" not in header
+    assert "&lt;img" in panel.source_header.value and "drag a cell" in panel.source_header.value
+    assert panel.result is not None and panel.diff.data["top_labels"] == ["first", "second"]
+    panel.say_diff("prompts differ", error=True)
+    assert (panel.result, panel.diff.data) == (None, {})
+
+
+def test_sweep_rows_join_in_order():
+    res = ek.SweepResult.example()
+    rows_of = [
+        dataclasses.replace(res, layers=[i], values=res.values[[k]])
+        for k, i in enumerate(res.layers)
+    ]
+    joined = join_rows(rows_of)
+    assert joined.layers.tolist() == res.layers.tolist()
+    np.testing.assert_array_equal(joined.values, res.values)
+    assert (joined.clean, joined.source_value, joined.tokens) == (
+        res.clean,
+        res.source_value,
+        res.tokens,
+    )
 
 
 @pytest.mark.engine
@@ -472,3 +581,141 @@ def test_read_only_explorer(tmp_path):
     assert "ekCellCenter" in page and page.rstrip().endswith("</body></html>")
     with pytest.raises(ek.InvalidRequest, match="cannot export"):
         explorer.export(tmp_path / "lens.txt")
+
+
+@pytest.fixture
+def comparing(tiny2):
+    explorer = LensExplorer(tiny2, prompt=PROMPT, targets=[" Paris"], top_k=5, compare_with=OTHER)
+    explorer.picker.rows = [(0, "resid"), (2, "attn"), (2, "resid"), (4, "resid")]
+    return explorer
+
+
+@pytest.mark.engine
+def test_compare_mode_lenses_both_prompts_and_draws_their_diff(comparing, tiny2):
+    res = comparing.run()
+    assert comparing.compare_box.layout.display is None
+    other = comparing.other_result
+    assert (other.prompt, other.layer_labels) == (OTHER, ["embed", "2.attn", "2", "4"])
+    alone = tiny2.lens(
+        OTHER, layers=[0, 2, 4], sites=["attn", "resid"], top_k=5, targets=[" Paris"]
+    )
+    np.testing.assert_array_equal(other.top_ids, rows.keep(alone, comparing.picker.rows).top_ids)
+    assert comparing.compare_panel.source.data["layer_labels"] == other.layer_labels
+
+    paris = int(res.target_ids[0])
+    expected = tiny2.lens([PROMPT, OTHER], compare=True, layers=[0, 2, 4], targets=[paris])
+    cmp = comparing.comparison
+    assert cmp.layer_labels == ["embed", "2", "4"]
+    np.testing.assert_allclose(cmp.js, expected.js, atol=1e-9)
+    data = comparing.compare_panel.diff.data
+    np.testing.assert_allclose(data["grids"]["js"]["values"], cmp.js, atol=1e-6)
+    assert data["top_labels"] == ["first", "second"]
+    differ = cmp.top_ids_a != cmp.top_ids_b
+    assert differ.any()
+    li, pi = np.argwhere(differ)[0]
+    assert data["cell_text"][li][pi] == f"{cmp.top_token('a', li, pi)}→{cmp.top_token('b', li, pi)}"
+    assert data["tokens"][3] == f"{cmp.tokens_a[3]}|{cmp.tokens_b[3]}"  # ' F' | ' I'
+
+    # The metric menu drives the diff: a target's Δp, JS otherwise.
+    assert comparing.compare_panel.diff.metric == "js"
+    comparing.metric.value = " Paris"
+    assert comparing.compare_panel.diff.metric == str(paris)
+    assert comparing.compare_panel.source.metric == " Paris"
+    np.testing.assert_allclose(
+        comparing.compare_panel.diff.data["grids"][str(paris)]["values"],
+        cmp.delta(paris),
+        atol=1e-6,
+    )
+    comparing.metric.value = "entropy"
+    assert comparing.compare_panel.diff.metric == "js"
+
+
+@pytest.mark.engine
+def test_a_drop_draws_the_patched_lens_and_its_diff(comparing, tiny2):
+    res = comparing.run()
+    paris = int(res.target_ids[0])
+    # Row "2" of the second prompt at ' I' (position 3), dropped on the first heatmap's top
+    # row at position 3: the patch is layer 2's stream, whatever row it was dropped on.
+    comparing.heatmap.set_state({"drop": {"source": [2, 3], "target": [3, 3]}})
+    assert comparing.heatmap.drop is None  # handled, ready for the next drop
+    patch = ek.Patch(OTHER, 2, source_position=3, target_position=3, site="resid")
+    assert comparing.patch == patch
+    patched = comparing.result
+    assert [dict(p) for p in patched.meta["patches"]] == [dataclasses.asdict(patch)]
+    expected = tiny2.lens(
+        PROMPT, layers=[0, 2, 4], sites=["attn", "resid"], top_k=5, targets=[" Paris"], patch=patch
+    )
+    np.testing.assert_array_equal(
+        patched.top_ids, rows.keep(expected, comparing.picker.rows).top_ids
+    )
+    assert not np.array_equal(patched.top_probs, res.top_probs)
+    assert comparing.heatmap.data["marks"] == [[2, 3]]
+    note = html.unescape(comparing.patch_note.value)
+    assert "row 2 of 'The capital of Italy is' at position 3 (' I') → position 3 (' F')" in note
+    assert "patched" in comparing.status.value
+
+    # The diff is now the first run against its patched run: nothing changes before the
+    # patched layer, nor at earlier positions.
+    cmp = comparing.comparison
+    assert comparing.compare_panel.diff.data["top_labels"] == ["clean", "patched"]
+    assert float(cmp.js[0].max()) < 1e-12 and float(cmp.js[:, :3].max()) < 1e-12
+    assert float(cmp.js[1, 3]) > 1e-6
+    again = ek.compare((tiny2, PROMPT), (tiny2, PROMPT, patch), layers=[0, 2, 4], targets=[paris])
+    np.testing.assert_allclose(cmp.js, again.js, atol=1e-9)
+
+    # Attribution does not pretend to explain the patched run.
+    comparing.heatmap.set_state({"selected": [3, 6]})
+    assert comparing.attribution is None
+    assert "patched run" in comparing.attribution_panel.header.value
+
+    # A sub-layer row: the patch copies that block's write.
+    comparing.heatmap.set_state({"drop": {"source": [1, 3], "target": [0, 4]}})
+    assert comparing.patch == ek.Patch(OTHER, 2, source_position=3, target_position=4, site="attn")
+
+    # Run goes back to the unpatched lens and the diff of the two prompts.
+    comparing.run()
+    assert comparing.patch is None and "patches" not in comparing.result.meta
+    assert comparing.heatmap.data["marks"] == [] and comparing.patch_note.value == ""
+    assert comparing.compare_panel.diff.data["top_labels"] == ["first", "second"]
+
+    # Unticked, Run compares nothing and the panel is hidden and empty.
+    comparing.compare.value = False
+    assert comparing.compare_box.layout.display == "none"
+    comparing.run()
+    assert (comparing.other_result, comparing.comparison) == (None, None)
+    assert comparing.compare_panel.source.data == {} and comparing.compare_panel.diff.data == {}
+
+
+@pytest.mark.engine
+def test_sweep_button_draws_the_map_with_progress(comparing, tiny2):
+    res = comparing.run()
+    paris = int(res.target_ids[0])
+    comparing.sweep_panel.button.click()
+    sweep = comparing.sweep
+    assert (sweep.source, sweep.target) == (OTHER, PROMPT)
+    assert sweep.values.shape == (3, 7) and sweep.layers.tolist() == [0, 2, 4]
+    assert (comparing.sweep_panel.progress.value, comparing.sweep_panel.progress.max) == (3, 3)
+    expected = tiny2.patch_sweep(
+        OTHER, PROMPT, layers=[0, 2, 4], target_token=paris, progress=False
+    )
+    np.testing.assert_allclose(sweep.values, expected.values, rtol=1e-5, atol=1e-7)
+    assert (sweep.clean, sweep.source_value) == pytest.approx(
+        (expected.clean, expected.source_value)
+    )
+    assert comparing.sweep_figure.axes[0].images
+    assert comparing.sweep_panel.view.outputs[0]["data"]["image/png"]
+    assert not comparing.sweep_panel.button.disabled
+
+
+@pytest.mark.engine
+def test_prompts_of_different_lengths_still_patch(comparing):
+    comparing.other_prompt.value = "The capital of Spain is"  # 6 tokens on tiny, not 7
+    assert comparing.run() is not None
+    assert comparing.comparison is None
+    assert "as many tokens" in comparing.compare_panel.diff_header.value
+    # A drop still patches (a patch has a position in each prompt), and says why no diff.
+    comparing.heatmap.set_state({"drop": {"source": [3, 5], "target": [3, 6]}})
+    assert comparing.patch.source_position == 5 and comparing.patch.target_position == 6
+    assert comparing.comparison is not None  # the run against its patched run
+    assert comparing.run_sweep() is None
+    assert "as many tokens" in comparing.sweep_panel.header.value

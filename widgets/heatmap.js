@@ -2,7 +2,16 @@
 //
 // Only the cells in view are drawn (the canvas is the size of the scroll viewport, the scroll
 // area is a sized spacer), so 80 layers x 512 positions scrolls as smoothly as 3 x 2.
-// State crosses to Python only through the traitlets `data`, `metric`, `selected`, `pinned`.
+// State crosses to Python only through the traitlets `data`, `metric`, `selected`, `pinned`,
+// and `drop`. The same view draws the diff of two runs (envoykit.explorer.payload.compare_data):
+// its payload names the tooltip's rows and writes each cell's text itself.
+//
+// A cell can be dragged from one heatmap onto another (pointer events: a canvas is no HTML5
+// drag source). The heatmap whose `drag_role` is "source" follows the pointer from pointerdown
+// on, with the pointer captured; it tells the heatmap under the pointer, if that one's role is
+// "target" and its `drag_group` the same, through DOM events on its root: "ek-dragover" (it
+// outlines where the cell would land and names it in the event's detail), "ek-dragleave" and
+// "ek-drop", on which the target sets its `drop` traitlet. Neither knows the other's model.
 //
 // Colours come from two places only: each metric's colour stops in the payload (sampled in
 // envoykit/metrics.py from matplotlib's maps, so the static figure and this view agree) and
@@ -33,11 +42,24 @@
  * @property {Object<string, string>} vocab  token text by id, each id once
  * @property {(number|null)[][][]} top_probs [layer][position][k]
  * @property {Object<string, Grid>} grids    one per metric, by key
+ * @property {number[][]} [marks]            [layer, position] cells outlined (a patched cell)
+ * @property {string[]} [top_labels]         [k] names of the tooltip's rows; default 1..k
+ * @property {string[][]} [cell_text]        [layer][position] text of each cell; default top-1
+ */
+
+/**
+ * What a dragged cell carries in the detail of the "ek-dragover" and "ek-drop" events.
+ * @typedef {object} Dragged
+ * @property {number[]} cell     [layer, position] in the source heatmap
+ * @property {string} label      the source row's label: the target outlines the same row
+ * @property {number} clientX
+ * @property {number} clientY
+ * @property {string} [landing]  set by the target on "ek-dragover": where the cell would land
  */
 
 /**
  * The page's colours as the canvas needs them (CSS strings).
- * @typedef {{bg: string, fg: string, nan: string, select: string}} Theme
+ * @typedef {{bg: string, fg: string, nan: string, select: string, accent: string}} Theme
  */
 
 const CELL_W = 52;
@@ -46,6 +68,7 @@ const LEFT = 52; // room for the layer labels
 const BOTTOM = 56; // room for the token labels
 const MAX_HEIGHT = 520;
 const EVEN_CONTRAST = 0.179; // luminance where black and white text contrast equally
+const DRAG_START = 5; // pixels the pointer moves, button down, before a press becomes a drag
 
 /** "#rrggbb" -> [r, g, b], each 0..255. */
 function hexToRgb(hex) {
@@ -80,6 +103,7 @@ function theme(root) {
     fg: get("--ek-fg", "#222"),
     nan: get("--ek-nan", "#ddd"),
     select: get("--ek-select", "#e8590c"),
+    accent: get("--ek-accent", "#1976d2"),
   };
 }
 
@@ -141,7 +165,7 @@ function tooltipNodes(d, g, l, p, sticky, pinned) {
     button.title = "pin as target";
     button.classList.toggle("ek-pinned", pinned.includes(id));
     const row = table.insertRow();
-    row.insertCell().textContent = String(i + 1);
+    row.insertCell().textContent = d.top_labels ? d.top_labels[i] : String(i + 1);
     row.insertCell().append(button);
     row.insertCell().textContent = Number(prob).toFixed(4);
   });
@@ -163,6 +187,9 @@ function render({ model, el }) {
   el.append(root);
 
   let sticky = false; // the tooltip stays on the selected cell so its tokens can be clicked
+  let drag = null; // a press on this heatmap's cell: {cell, x, y, id, ghost, over}
+  let dragged = false; // a drag just ended here: the click that follows selects nothing
+  let landing = null; // {l, p}: where a cell dragged over this heatmap would land (l -1: none)
 
   /** @returns {Payload} */
   const data = () => model.get("data") || {};
@@ -248,15 +275,29 @@ function render({ model, el }) {
         ctx.fillStyle = rgb ? `rgb(${rgb.join(",")})` : colours.nan;
         ctx.fillRect(x, y, CELL_W - 1, CELL_H - 1);
         ctx.fillStyle = rgb ? textColour(rgb) : colours.fg;
-        ctx.fillText(fit(ctx, d.vocab[d.top_ids[l][p][0]], CELL_W - 4), x + CELL_W / 2, y + CELL_H / 2);
+        const text = d.cell_text ? d.cell_text[l][p] : d.vocab[d.top_ids[l][p][0]];
+        ctx.fillText(fit(ctx, text, CELL_W - 4), x + CELL_W / 2, y + CELL_H / 2);
         drawn++;
       }
     }
-    const sel = model.get("selected");
-    if (sel) {
-      ctx.strokeStyle = colours.select;
+    const outline = (l, p, colour, dash) => {
+      ctx.strokeStyle = colour;
       ctx.lineWidth = 2;
-      ctx.strokeRect(cellX(sel[1]) - sx + 1, cellY(sel[0]) - sy + 1, CELL_W - 3, CELL_H - 3);
+      ctx.setLineDash(dash);
+      ctx.strokeRect(cellX(p) - sx + 1, cellY(l) - sy + 1, CELL_W - 3, CELL_H - 3);
+      ctx.setLineDash([]);
+    };
+    for (const [l, p] of d.marks || []) outline(l, p, colours.accent, [4, 2]);
+    const sel = model.get("selected");
+    if (sel) outline(sel[0], sel[1], colours.select, []);
+    if (landing) {
+      // The column the pointer is over, and the cell of the dragged row in it.
+      ctx.strokeStyle = colours.select;
+      ctx.lineWidth = 1;
+      ctx.setLineDash([2, 2]);
+      ctx.strokeRect(cellX(landing.p) - sx + 0.5, -sy + 0.5, CELL_W - 2, nL * CELL_H - 2);
+      ctx.setLineDash([]);
+      if (landing.l >= 0) outline(landing.l, landing.p, colours.select, [5, 3]);
     }
     // Frozen axes: layer labels on the left, token labels below, over the scrolled cells.
     ctx.fillStyle = colours.bg;
@@ -319,7 +360,7 @@ function render({ model, el }) {
   }
 
   canvas.addEventListener("mousemove", (event) => {
-    if (sticky) return;
+    if (sticky || (drag && drag.ghost)) return;
     const cell = cellAt(...spacerPoint(event));
     if (cell) showTip(cell, event.clientX, event.clientY);
     else hideTip();
@@ -328,6 +369,10 @@ function render({ model, el }) {
     if (!sticky && !tip.contains(event.relatedTarget)) hideTip();
   });
   canvas.addEventListener("click", (event) => {
+    if (dragged) {
+      dragged = false;
+      return;
+    }
     const cell = cellAt(...spacerPoint(event));
     if (!cell) {
       hideTip();
@@ -349,6 +394,111 @@ function render({ model, el }) {
     }
     button.classList.add("ek-pinned");
   });
+
+  // -- dragging a cell out (drag_role "source") ---------------------------------------------
+
+  /** The root of the heatmap under the pointer that takes this heatmap's drops, or null. */
+  function dropTargetAt(x, y) {
+    const hit = document.elementFromPoint(x, y);
+    const target = hit && hit.closest(".ek-heatmap[data-drag-role='target']");
+    const group = model.get("drag_group");
+    return target && target !== root && group && target.dataset.dragGroup === group ? target : null;
+  }
+
+  /** @returns {Dragged} */
+  function dragDetail(event) {
+    const label = data().layer_labels[drag.cell[0]];
+    return { cell: drag.cell, label, clientX: event.clientX, clientY: event.clientY };
+  }
+
+  function endDrag() {
+    if (!drag) return;
+    if (drag.over) drag.over.dispatchEvent(new CustomEvent("ek-dragleave"));
+    if (drag.ghost) drag.ghost.remove();
+    if (canvas.hasPointerCapture(drag.id)) canvas.releasePointerCapture(drag.id);
+    drag = null;
+  }
+
+  canvas.addEventListener("pointerdown", (event) => {
+    dragged = false;
+    if (model.get("drag_role") !== "source" || event.button !== 0) return;
+    const cell = cellAt(...spacerPoint(event));
+    if (!cell) return;
+    event.preventDefault(); // no text selection while dragging
+    drag = { cell, x: event.clientX, y: event.clientY, id: event.pointerId, ghost: null, over: null };
+    canvas.setPointerCapture(event.pointerId);
+  });
+  canvas.addEventListener("pointermove", (event) => {
+    if (!drag || event.pointerId !== drag.id) return;
+    if (!drag.ghost) {
+      if (Math.hypot(event.clientX - drag.x, event.clientY - drag.y) < DRAG_START) return;
+      hideTip();
+      // On the page's body, not in the widget: JupyterLab's output areas clip what they hold.
+      drag.ghost = element("div", "ek-ghost");
+      document.body.append(drag.ghost);
+    }
+    const over = dropTargetAt(event.clientX, event.clientY);
+    if (drag.over && drag.over !== over) drag.over.dispatchEvent(new CustomEvent("ek-dragleave"));
+    drag.over = over;
+    const detail = dragDetail(event);
+    if (over) over.dispatchEvent(new CustomEvent("ek-dragover", { detail }));
+    const d = data();
+    const what = `row ${detail.label} at ${show(d.tokens[drag.cell[1]])}`;
+    drag.ghost.textContent = detail.landing ? `${what} → ${detail.landing}` : what;
+    drag.ghost.classList.toggle("ek-ghost-over", Boolean(detail.landing));
+    drag.ghost.style.left = `${event.clientX + 14}px`;
+    drag.ghost.style.top = `${event.clientY + 10}px`;
+  });
+  canvas.addEventListener("pointerup", (event) => {
+    if (!drag || event.pointerId !== drag.id) return;
+    if (drag.ghost) {
+      dragged = true;
+      const over = dropTargetAt(event.clientX, event.clientY);
+      if (over) over.dispatchEvent(new CustomEvent("ek-drop", { detail: dragDetail(event) }));
+    }
+    endDrag();
+  });
+  canvas.addEventListener("pointercancel", endDrag);
+
+  // -- taking a dropped cell (drag_role "target") -------------------------------------------
+
+  /** Where the dragged cell would land under the pointer: its own row, the column hovered. */
+  function landingAt(detail) {
+    const cell = cellAt(...spacerPoint(detail));
+    if (!cell) return null;
+    return { l: data().layer_labels.indexOf(detail.label), p: cell[1] };
+  }
+
+  root.addEventListener("ek-dragover", (event) => {
+    if (!tip.hidden) hideTip(); // it would hide where the cell lands
+    landing = landingAt(event.detail);
+    if (landing) {
+      const row = landing.l >= 0 ? `, row ${event.detail.label}` : "";
+      event.detail.landing = `position ${landing.p} ${show(data().tokens[landing.p])}${row}`;
+    }
+    requestAnimationFrame(draw);
+  });
+  root.addEventListener("ek-dragleave", () => {
+    landing = null;
+    requestAnimationFrame(draw);
+  });
+  root.addEventListener("ek-drop", (event) => {
+    landing = null;
+    const cell = cellAt(...spacerPoint(event.detail));
+    if (cell) {
+      model.set("drop", { source: event.detail.cell, target: cell });
+      model.save_changes();
+    }
+    requestAnimationFrame(draw);
+  });
+  const roles = () => {
+    root.dataset.dragRole = model.get("drag_role") || "";
+    root.dataset.dragGroup = model.get("drag_group") || "";
+  };
+  roles();
+  model.on("change:drag_role", roles);
+  model.on("change:drag_group", roles);
+
   scroller.addEventListener("scroll", () => requestAnimationFrame(draw));
   const resize = new ResizeObserver(() => draw());
   resize.observe(scroller);
@@ -385,6 +535,7 @@ function render({ model, el }) {
   requestAnimationFrame(draw);
   return () => {
     hideTip();
+    endDrag();
     resize.disconnect();
     themes.disconnect();
     scheme.removeEventListener("change", themeChange);

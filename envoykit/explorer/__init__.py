@@ -1,10 +1,12 @@
 """The logit lens as a JupyterLab widget, on an engine or a stored result.
 
 One module per job: `views` (the anywidget classes `Heatmap` and `LayerPicker`), `payload`
-(what they receive, shaped as JSON), `rows` (the picker's selection as lens rows, and how
-one lens covers them), `controller` (`LensExplorer`, which ties inputs, views and the engine
-together), `attribution_panel` (the direct logit attribution at the selected cell),
-`outputs` (figures and messages as plain ipywidgets show them), `export` (figures, JSON and
+(what they receive, shaped as JSON: a lens, or the diff of two runs), `rows` (the picker's
+selection as lens rows, and how one lens covers them), `controller` (`LensExplorer`, which
+ties inputs, views and the engine together), `attribution_panel` (the direct logit
+attribution at the selected cell), `compare_panel` (a second prompt's heatmap to drag cells
+from, the diff, and which patch a drop means), `sweep_panel` (a patch sweep with a progress
+bar), `outputs` (figures and messages as plain ipywidgets show them), `export` (figures, JSON and
 the standalone page) and `assets` (the browser modules in ``widgets/``, read once). The
 browser side is framework-free anywidget modules, no build step; state crosses between
 kernel and browser only through named traitlets, so every interaction can be driven and
@@ -13,16 +15,21 @@ checked from Python.
 
 from envoykit.explorer.assets import widgets_dir
 from envoykit.explorer.attribution_panel import AttributionPanel
+from envoykit.explorer.compare_panel import ComparePanel
 from envoykit.explorer.controller import LensExplorer
 from envoykit.explorer.export import standalone_html
-from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
+from envoykit.explorer.payload import compare_data, heatmap_data, picker_layers, result_layers
+from envoykit.explorer.sweep_panel import SweepPanel
 from envoykit.explorer.views import Heatmap, LayerPicker
 
 __all__ = [
     "AttributionPanel",
+    "ComparePanel",
     "Heatmap",
     "LayerPicker",
     "LensExplorer",
+    "SweepPanel",
+    "compare_data",
     "heatmap_data",
     "picker_layers",
     "result_layers",

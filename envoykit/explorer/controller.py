@@ -14,11 +14,20 @@ position (`AttributionPanel`). With a stored `LensResult` (read-only) nothing ca
 recomputed: a pinned token that is not a target is drawn from the top-k lists only, as a
 dotted line with gaps wherever it was not among the top k, and labelled so; the attribution
 panel says it needs an engine.
+
+Compare mode adds a second prompt (`ComparePanel`): Run lenses it with the same rows and
+draws the diff of the two; a cell dragged from the second prompt's heatmap onto the first's
+patches it into the first prompt's run, whose lens replaces the first heatmap and whose diff
+against the unpatched run replaces the diff. The first prompt is always the run studied:
+what the main heatmap, trajectory, attribution and export show. The sweep (`SweepPanel`)
+patches the second prompt into the first at every picked layer and position.
 """
 
 from __future__ import annotations
 
 import html
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +36,26 @@ import numpy as np
 
 from envoykit import plot
 from envoykit.attribution_result import AttributionResult
+from envoykit.compare import compare
+from envoykit.compare_result import CompareResult
 from envoykit.errors import EnvoykitError, InvalidRequest
 from envoykit.explorer import export, rows
 from envoykit.explorer.attribution_panel import AttributionPanel
+from envoykit.explorer.compare_panel import (
+    ComparePanel,
+    describe_patch,
+    drop_patch,
+    patched_cell,
+)
 from envoykit.explorer.outputs import ERROR, figure_output, message_html, text_output
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
+from envoykit.explorer.sweep_panel import SweepPanel
 from envoykit.explorer.views import Heatmap, LayerPicker
 from envoykit.metrics import METRICS, metric_grid, metric_keys
+from envoykit.patching import Patch
 from envoykit.request import Row, describe_target
 from envoykit.result import LensResult
+from envoykit.sweep_result import SweepResult
 
 
 class LensExplorer(widgets.VBox):
@@ -45,6 +65,11 @@ class LensExplorer(widgets.VBox):
     ``LensExplorer(result)`` shows a stored `LensResult` read-only (the layer picker then
     filters the rows shown). ``result`` is the last lens, ``attribution`` the attribution
     shown for the selected cell; ``export`` saves what is shown.
+
+    ``compare_with`` (or the *compare* box) turns compare mode on with a second prompt:
+    ``other_result`` is its lens, ``comparison`` the `CompareResult` in the diff heatmap,
+    ``patch`` the `Patch` a drop applied to ``result`` (`patch_cell`), ``sweep`` the last
+    `SweepResult` (`run_sweep`, or the Sweep button).
     """
 
     def __init__(
@@ -55,14 +80,19 @@ class LensExplorer(widgets.VBox):
         targets: tuple[str, ...] | list[str] = (),
         top_k: int = 10,
         metric: str = "prob",
+        compare_with: str = "",
     ) -> None:
         readonly = isinstance(source, LensResult)
         self.engine = None if readonly else source
         self.result: LensResult | None = source if readonly else None
+        self.other_result: LensResult | None = None
         self.trajectory_figure: Any = None
         self.trajectory_targets: list[str] = []
         self._request: dict[str, Any] | None = None
         self._rows: list[Row] = []
+        # The second prompt of what is shown, and the lens request its heatmap answers.
+        self._other: str | None = None
+        self._other_request: dict[str, Any] | None = None
 
         self.prompt = widgets.Textarea(
             value=source.prompt if readonly else prompt,
@@ -92,13 +122,36 @@ class LensExplorer(widgets.VBox):
         )
         self.status = widgets.HTML("read-only: a stored LensResult" if readonly else "")
         self.message = widgets.HTML()
+        self.compare = widgets.Checkbox(
+            value=bool(compare_with) and not readonly,
+            description="compare with a second prompt",
+            indent=False,
+            disabled=readonly,
+        )
+        self.other_prompt = widgets.Textarea(
+            value=compare_with,
+            placeholder="second prompt: compared with the first; drag a cell of its heatmap "
+            "onto the first's to patch it in",
+            layout=widgets.Layout(width="100%", height="50px"),
+            disabled=readonly,
+        )
+        self.patch_note = widgets.HTML()
         if readonly:
             self.picker = LayerPicker(result_layers(source))
             self.picker.rows = zip(source.layers.tolist(), source.sites)
         else:
             sublayers = source.readout.mlp_prenorm is not None
             self.picker = LayerPicker(picker_layers(source.locations(), sublayers=sublayers))
-        self.heatmap = Heatmap()
+        group = uuid.uuid4().hex  # drops from this explorer's second heatmap only
+        self.heatmap = Heatmap(drag_role="target", drag_group=group)
+        self.heatmap.add_class("ek-main-heatmap")
+        self.compare_panel = ComparePanel(group)
+        self.sweep_panel = SweepPanel()
+        self.sweep_panel.say(
+            "patches the second prompt's residual stream into the first at every picked "
+            "layer and position, for the token pinned last or the first target"
+        )
+        self.compare_box = widgets.VBox([self.compare_panel, self.sweep_panel])
         self.trajectory = widgets.Output()
         self.trajectory.add_class("ek-trajectory")
         self.attribution_panel = AttributionPanel()
@@ -108,7 +161,12 @@ class LensExplorer(widgets.VBox):
         self.picker.observe(self._on_layers, ["selected", "selected_sites"])
         self.heatmap.observe(self._on_selected, "selected")
         self.heatmap.observe(self._on_pinned, "pinned")
+        self.heatmap.observe(self._on_drop, "drop")
+        for view in (self.compare_panel.source, self.compare_panel.diff):
+            view.observe(self._on_other_pinned, "pinned")
+        self.compare.observe(self._on_compare, "value")
         self.run_button.on_click(lambda _: self.run())
+        self.sweep_panel.button.on_click(lambda _: self.run_sweep())
 
         controls = widgets.VBox(
             [
@@ -119,16 +177,22 @@ class LensExplorer(widgets.VBox):
             ],
             layout=widgets.Layout(width="55%"),
         )
+        prompts = widgets.VBox(
+            [self.prompt, self.compare, self.other_prompt], layout={"width": "45%"}
+        )
         super().__init__(
             [
-                widgets.HBox([widgets.Box([self.prompt], layout={"width": "45%"}), controls]),
+                widgets.HBox([prompts, controls]),
                 self.message,
                 self.picker,
+                self.patch_note,
                 self.heatmap,
+                self.compare_box,
                 self.trajectory,
                 self.attribution_panel,
             ]
         )
+        self._on_compare()
         self._on_targets()
         if metric in self._metric_keys():
             self.metric.value = metric
@@ -146,6 +210,26 @@ class LensExplorer(widgets.VBox):
     def attribution_figure(self) -> Any:
         """The matplotlib figure of `attribution`, or None."""
         return self.attribution_panel.figure
+
+    @property
+    def comparison(self) -> CompareResult | None:
+        """The diff drawn in compare mode: the two prompts, or the run and its patched run."""
+        return self.compare_panel.result
+
+    @property
+    def patch(self) -> Patch | None:
+        """The patch the lens shown was run with (a drop in compare mode), or None."""
+        return None if self._request is None else self._request.get("patch")
+
+    @property
+    def sweep(self) -> SweepResult | None:
+        """The last patch sweep drawn; None while the sweep panel shows a message."""
+        return self.sweep_panel.result
+
+    @property
+    def sweep_figure(self) -> Any:
+        """The matplotlib figure of `sweep`, or None."""
+        return self.sweep_panel.figure
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -170,7 +254,47 @@ class LensExplorer(widgets.VBox):
             "top_k": self.top_k.value,
             "targets": self._targets_with_pins(text.split(",") if text else []),
         }
-        return self._lens(request, picked)
+        return self._lens(request, picked, self._second_prompt())
+
+    def patch_cell(self, source: Sequence[int], target: Sequence[int]) -> LensResult | None:
+        """Patch cell ``source`` of the second prompt's heatmap into the first prompt's run at
+        the column of cell ``target`` of the first heatmap (what a drop does); cells are
+        ``[layer_index, position_index]``.
+
+        The patch copies the source cell's row — its layer and site — at its position into
+        the same row of the first run, at the target column's position; the target's row
+        is not used. Returns the patched lens, or None when refused (the reason is shown).
+        """
+        if self.engine is None or self.result is None or self.other_result is None:
+            self._say("patching needs compare mode: tick it, type a second prompt, Run", True)
+            return None
+        try:
+            patch = drop_patch(self.other_result, source, self.result, target)
+        except InvalidRequest as err:
+            self._say(str(err), True)
+            return None
+        return self._lens({**self._request, "patch": patch}, self._rows, self._other)
+
+    def run_sweep(self) -> SweepResult | None:
+        """Patch the second prompt's residual stream into the first at every picked layer
+        and every position (same as pressing Sweep), measuring the first prompt's next
+        token: the token pinned last, else the first target. Returns the `SweepResult`, or
+        None when refused (the reason is shown)."""
+        panel = self.sweep_panel
+        if self.engine is None or self.result is None or self._other is None:
+            panel.say(
+                "Run in compare mode first: the sweep patches the second prompt into the first",
+                error=True,
+            )
+            return None
+        target = self._focus_target(self.result)
+        if target is None:
+            panel.say("type or pin a target: the sweep measures its probability", error=True)
+            return None
+        layers = sorted(set(self.result.layers.tolist()))
+        return panel.run(
+            self.engine, self._other, self._request["prompt"], layers=layers, target_token=target
+        )
 
     def export(self, path: str | Path) -> Path:
         """Save what is shown: ``.png``/``.svg`` (matplotlib heatmap of the current metric),
@@ -183,8 +307,12 @@ class LensExplorer(widgets.VBox):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _lens(self, request: dict[str, Any], picked: list[Row]) -> LensResult | None:
-        """Run ``request`` (`Engine.lens`'s arguments) and keep the ``picked`` rows."""
+    def _lens(
+        self, request: dict[str, Any], picked: list[Row], other: str | None
+    ) -> LensResult | None:
+        """Run ``request`` (`Engine.lens`'s arguments, a patch included) and keep the
+        ``picked`` rows; with a second prompt ``other``, lens it too (unpatched, reused when
+        its request is unchanged) and draw the diff."""
         self.run_button.disabled = True
         self.run_button.description = "Running…"
         self.status.value = f"<i>⏳ running the lens on {html.escape(self.engine.info.name)}…</i>"
@@ -193,21 +321,80 @@ class LensExplorer(widgets.VBox):
             try:
                 result = rows.keep(self.engine.lens(**request), picked)
             except EnvoykitError as err:
-                self._say(str(err), True)
-                self.status.value = ""
-                return None
-            self._request, self._rows = request, picked
-            self.result = result
+                return self._refused(str(err))
+            other_request = _other_request(request, other)
+            other_result = None
+            if other_request is not None:
+                if other_request == self._other_request:
+                    other_result = self.other_result
+                else:
+                    try:
+                        other_result = rows.keep(self.engine.lens(**other_request), picked)
+                    except EnvoykitError as err:
+                        return self._refused(f"second prompt: {err}")
+            self._request, self._rows, self._other = request, picked, other
+            self._other_request = other_request
+            self.result, self.other_result = result, other_result
             self._say("")
             self.status.value = (
                 f"{len(result.layers)} rows × {len(result.positions)} positions, "
-                f"top-{result.top_ids.shape[-1]}"
+                f"top-{result.top_ids.shape[-1]}" + (", patched" if self.patch else "")
             )
             self._show()
+            self._show_comparison()
             return result
         finally:
             self.run_button.disabled = False
             self.run_button.description = "Run"
+
+    def _refused(self, text: str) -> None:
+        self._say(text, True)
+        self.status.value = ""
+
+    def _second_prompt(self) -> str | None:
+        return self.other_prompt.value if self.compare.value else None
+
+    def _show_comparison(self) -> None:
+        """The second prompt's heatmap and the diff: the two prompts, or, with a patch, the
+        first prompt's run against its patched run (each picked layer's stream)."""
+        panel = self.compare_panel
+        if self.other_result is None:
+            panel.clear()
+            return
+        panel.show_source(self.other_result)
+        panel.source.metric = self.heatmap.metric
+        panel.source.pinned = list(self.heatmap.pinned)
+        prompt, patch = self._request["prompt"], self.patch
+        layers = sorted(set(self.result.layers.tolist()))
+        targets = self.result.target_ids.tolist()
+        try:
+            if patch is None:
+                res = self.engine.lens(
+                    [prompt, self._other], compare=True, layers=layers, targets=targets
+                )
+                names, about = ("first", "second"), "the first prompt → the second"
+            else:
+                res = compare(
+                    (self.engine, prompt),
+                    (self.engine, prompt, patch),
+                    layers=layers,
+                    targets=targets,
+                )
+                names, about = ("clean", "patched"), "the first prompt's run → its patched run"
+        except EnvoykitError as err:
+            panel.say_diff(str(err), error=True)
+            return
+        panel.show_diff(res, names, about)
+        panel.diff.pinned = list(self.heatmap.pinned)
+        self._sync_diff_metric()
+
+    def _sync_diff_metric(self) -> None:
+        """The diff follows the metric menu: Δ p of the target it names, else JS."""
+        diff, key = self.compare_panel.diff, self.heatmap.metric
+        grids = diff.data.get("grids", {})
+        if self.result is not None and key in self.result.target_labels:
+            key = str(self.result.target(key).token_id)
+        diff.metric = key if key in grids else "js"
 
     def _shown(self) -> LensResult | None:
         """The result restricted, when read-only, to the rows picked in the layer picker."""
@@ -222,7 +409,12 @@ class LensExplorer(widgets.VBox):
             return
         labels = self.heatmap.data.get("layer_labels", [])
         self.heatmap.selected = _same_cell(self.heatmap.selected, labels, shown)
-        self.heatmap.data = heatmap_data(shown)
+        patch = self.patch
+        cell = None if patch is None else patched_cell(shown, patch)
+        self.heatmap.data = heatmap_data(shown, marks=[cell] if cell else [])
+        self.patch_note.value = (
+            "" if patch is None else message_html(describe_patch(self.other_result, patch, shown))
+        )
         value = self.metric.value
         self.metric.options = self._metric_options()
         self.metric.value = value if value in self._metric_keys() else "prob"
@@ -270,6 +462,27 @@ class LensExplorer(widgets.VBox):
     def _on_metric(self, change: dict[str, Any]) -> None:
         if change["new"] is not None:
             self.heatmap.metric = change["new"]
+            self.compare_panel.source.metric = change["new"]
+            self._sync_diff_metric()
+
+    def _on_compare(self, _: Any = None) -> None:
+        shown = None if self.compare.value else "none"
+        self.other_prompt.layout.display = shown
+        self.compare_box.layout.display = shown
+        if self.engine is not None and self.result is not None:
+            self.status.value = "compare mode changed: press Run"
+
+    def _on_drop(self, change: dict[str, Any]) -> None:
+        drop = change["new"]
+        if drop is not None:
+            self.heatmap.drop = None  # an event: the same drop made again is seen again
+            self.patch_cell(drop["source"], drop["target"])
+
+    def _on_other_pinned(self, change: dict[str, Any]) -> None:
+        """A token pinned in the second heatmap or the diff is pinned in the first."""
+        new = [i for i in change["new"] if i not in self.heatmap.pinned]
+        if new:
+            self.heatmap.pinned = [*self.heatmap.pinned, *new]
 
     def _on_layers(self, _: Any) -> None:
         if self.engine is None:
@@ -289,7 +502,8 @@ class LensExplorer(widgets.VBox):
         new = [i for i in change["new"] if i not in known]
         if new and self.engine is not None and self._request is not None:
             typed = [t for t in self._request["targets"] if isinstance(t, str)]
-            self._lens({**self._request, "targets": self._targets_with_pins(typed)}, self._rows)
+            request = {**self._request, "targets": self._targets_with_pins(typed)}
+            self._lens(request, self._rows, self._other)  # what is shown, with the pin
         else:
             self._draw_trajectory()
             self._draw_attribution()
@@ -345,11 +559,14 @@ class LensExplorer(widgets.VBox):
         if shown is None or self.heatmap.selected is None:
             panel.say("click a heatmap cell to see who wrote the prediction at its position")
             return
-        if self.heatmap.pinned:
-            target = int(self.heatmap.pinned[-1])
-        elif len(shown.target_ids):
-            target = int(shown.target_ids[0])
-        else:
+        if self.patch is not None:
+            panel.say(
+                "the lens shown is of a patched run, and attribution runs on unpatched "
+                "prompts only: Run to go back to the unpatched lens"
+            )
+            return
+        target = self._focus_target(shown)
+        if target is None:
             panel.say("type or pin a target to see its attribution at the selected cell")
             return
         row, column = self.heatmap.selected
@@ -370,6 +587,12 @@ class LensExplorer(widgets.VBox):
                 return
         panel.show(att, target, layer=int(shown.layers[row]), row=shown.layer_labels[row])
 
+    def _focus_target(self, shown: LensResult) -> int | None:
+        """The token the attribution and the sweep follow: pinned last, else the first target."""
+        if self.heatmap.pinned:
+            return int(self.heatmap.pinned[-1])
+        return int(shown.target_ids[0]) if len(shown.target_ids) else None
+
 
 def _same_cell(cell: list[int] | None, labels: list[str], shown: LensResult) -> list[int] | None:
     """Cell ``cell`` of rows ``labels`` in ``shown``: the same row (by label, since rows come
@@ -378,6 +601,13 @@ def _same_cell(cell: list[int] | None, labels: list[str], shown: LensResult) -> 
         return None
     label = labels[cell[0]]
     return [shown.layer_labels.index(label), cell[1]] if label in shown.layer_labels else None
+
+
+def _other_request(request: dict[str, Any], other: str | None) -> dict[str, Any] | None:
+    """The second prompt's lens request: the first's, unpatched, on ``other``."""
+    if other is None:
+        return None
+    return {**{k: v for k, v in request.items() if k != "patch"}, "prompt": other}
 
 
 def _token_of(res: LensResult, token_id: int) -> str:

@@ -1,20 +1,26 @@
-"""What the browser views receive: a `LensResult` and an engine's locations shaped as JSON.
+"""What the browser views receive: a `LensResult`, a `CompareResult` and an engine's
+locations shaped as JSON.
 
 ``heatmap_data`` is the heatmap's ``data`` traitlet (its layout is the ``Payload`` typedef at
-the top of ``widgets/heatmap.js``); ``picker_layers`` and ``result_layers`` are the layer
-picker's ``layers`` (the ``Item`` typedef at the top of ``widgets/layer_picker.js``): one
-column per layer, with the rows it offers. Every metric's colouring comes from
-`envoykit.metrics`, the definition the matplotlib heatmap uses too.
+the top of ``widgets/heatmap.js``), and so is ``compare_data``: the same view draws the diff of
+two runs, with both runs' top-1 token as the tooltip's two rows and ``a→b`` written in the
+cells where they differ. ``picker_layers`` and ``result_layers`` are the layer picker's
+``layers`` (the ``Item`` typedef at the top of ``widgets/layer_picker.js``): one column per
+layer, with the rows it offers. Every metric is a `envoykit.metrics.Metric`, so the browser
+colours it from the definition's own colour stops; the lens metrics are the ones the
+matplotlib heatmap draws, the diff's (`JS`, `delta_metric`) those ``plot.compare`` draws.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from envoykit.compare_result import CompareResult
 from envoykit.explorer.rows import RESID, SUBLAYER_SITES, ordered
-from envoykit.metrics import metric_grid, metric_keys
+from envoykit.metrics import Metric, metric_grid, metric_keys
 from envoykit.result import SITE_SUFFIXES, LensResult
 
 # Digits kept in the JSON: a tooltip shows four, and fewer digits are fewer bytes.
@@ -29,9 +35,10 @@ def json_grid(values: np.ndarray) -> list:
     return out.tolist()
 
 
-def heatmap_data(res: LensResult) -> dict[str, Any]:
+def heatmap_data(res: LensResult, marks: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
     """What the heatmap view draws: labels, the top-k ids of every cell (their text in
-    ``vocab``) and one grid per metric with its colour scale.
+    ``vocab``) and one grid per metric with its colour scale; ``marks`` are cells
+    (``[layer_index, position_index]``) outlined, such as the one a patch wrote.
 
     Every metric's grid is sent at once, so switching the metric needs no round trip.
     """
@@ -48,6 +55,57 @@ def heatmap_data(res: LensResult) -> dict[str, Any]:
         "vocab": {str(int(i)): str(t) for i, t in zip(res.top_ids.flat, res.top_tokens.flat)},
         "top_probs": json_grid(res.top_probs),
         "grids": grids,
+        "marks": [[int(i) for i in cell] for cell in marks],
+    }
+
+
+# The diff's metrics, as `plot.compare` colours them: JS divergence lies in [0, ln 2]; a
+# change of probability in [-1, 1], on a diverging map centred on no change.
+JS = Metric("js", "JS divergence", "nats", (0.0, float(np.log(2))), "Reds")
+
+
+def delta_metric(key: str, token: str, names: Sequence[str] = ("a", "b")) -> Metric:
+    """The change of ``token``'s probability from run ``names[0]`` to run ``names[1]``."""
+    return Metric(key, f"Δ p({token!r}), {names[1]} − {names[0]}", "", (-1.0, 1.0), "RdBu_r")
+
+
+def compare_data(res: CompareResult, names: Sequence[str] = ("a", "b")) -> dict[str, Any]:
+    """The heatmap view's ``data`` for the diff of two runs named ``names``.
+
+    Grids: ``"js"`` and, for each target (by its label in ``res``), the change of its
+    probability. Each cell's tooltip lists the two runs' top-1 tokens (rows labelled by
+    ``names``); the cell reads ``top_a→top_b`` where they differ, and a column whose input
+    tokens differ is labelled ``a|b``.
+    """
+    grids = {JS.key: {**JS.scale(res.js), "values": json_grid(res.js)}}
+    for label, token in zip(res.target_labels, res.target_tokens):
+        values = res.delta(label)
+        grids[label] = {
+            **delta_metric(label, token, names).scale(values),
+            "values": json_grid(values),
+        }
+    shape = res.js.shape
+    top_a = np.array(res.top_tokens_a, dtype=object).reshape(shape)
+    top_b = np.array(res.top_tokens_b, dtype=object).reshape(shape)
+    vocab = {
+        str(int(i)): str(t)
+        for ids, tokens in ((res.top_ids_a, top_a), (res.top_ids_b, top_b))
+        for i, t in zip(ids.flat, tokens.flat)
+    }
+    return {
+        "prompt": f"{names[0]} vs {names[1]}",
+        "layer_labels": res.layer_labels,
+        "tokens": [a if a == b else f"{a}|{b}" for a, b in zip(res.tokens_a, res.tokens_b)],
+        "top_ids": np.stack([res.top_ids_a, res.top_ids_b], axis=-1).tolist(),
+        "top_labels": [str(name) for name in names],
+        "vocab": vocab,
+        "top_probs": json_grid(np.stack([res.top_probs_a, res.top_probs_b], axis=-1)),
+        "cell_text": [
+            [a if a == b else f"{a}→{b}" for a, b in zip(row_a, row_b)]
+            for row_a, row_b in zip(top_a.tolist(), top_b.tolist())
+        ],
+        "grids": grids,
+        "marks": [],
     }
 
 

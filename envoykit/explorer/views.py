@@ -20,13 +20,33 @@ from envoykit.explorer.rows import RESID, SUBLAYER_SITES, ordered, picked
 from envoykit.request import Row
 from envoykit.result import LensResult
 
+# "": no dragging; "source": cells can be dragged out; "target": takes drops of its group.
+DRAG_ROLES = ("", "source", "target")
+
+
+def _is_cell(cell: Any) -> bool:
+    """Whether ``cell`` is ``[layer_index, position_index]``: two non-negative integers."""
+    return (
+        isinstance(cell, (list, tuple))
+        and len(cell) == 2
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in cell)
+    )
+
 
 class Heatmap(anywidget.AnyWidget):
-    """Layers x positions of a `LensResult` on a canvas; hover, select a cell, pin tokens.
+    """Layers x positions of a `LensResult` on a canvas; hover, select a cell, pin tokens,
+    drag a cell onto another heatmap.
 
-    ``data`` is what the canvas draws (`heatmap_data`), ``metric`` the grid it colours by,
-    ``selected`` a ``[layer_index, position_index]`` or None, ``pinned`` the token ids
-    clicked in a tooltip.
+    ``data`` is what the canvas draws (`heatmap_data`, or `compare_data` for a diff),
+    ``metric`` the grid it colours by, ``selected`` a ``[layer_index, position_index]`` or
+    None, ``pinned`` the token ids clicked in a tooltip.
+
+    Dragging crosses widgets in the page, not the kernel: a heatmap whose ``drag_role`` is
+    ``"source"`` lets its cells be dragged, and one whose role is ``"target"`` and whose
+    ``drag_group`` is the same takes the drop and sets its ``drop`` to ``{"source": cell
+    dragged, "target": cell dropped on}`` (cells as ``[layer_index, position_index]``). The
+    group keeps two explorers on one page apart. ``drop`` is an event: whoever handles it
+    sets it back to None, so the same drop made again is seen again.
     """
 
     _esm = asset("heatmap.js")
@@ -35,11 +55,27 @@ class Heatmap(anywidget.AnyWidget):
     metric = traitlets.Unicode("prob").tag(sync=True)
     selected = traitlets.List(default_value=None, allow_none=True).tag(sync=True)
     pinned = traitlets.List(traitlets.Int()).tag(sync=True)
+    drag_role = traitlets.Enum(DRAG_ROLES, default_value="").tag(sync=True)
+    drag_group = traitlets.Unicode("").tag(sync=True)
+    drop = traitlets.Dict(default_value=None, allow_none=True).tag(sync=True)
 
     def __init__(self, result: LensResult | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if result is not None:
             self.data = heatmap_data(result)
+
+    @traitlets.validate("drop")
+    def _check_drop(self, proposal: dict[str, Any]) -> dict[str, list[int]] | None:
+        drop = proposal["value"]
+        if drop is None:
+            return None
+        cells = [drop.get(key) for key in ("source", "target")]
+        if set(drop) != {"source", "target"} or not all(map(_is_cell, cells)):
+            raise traitlets.TraitError(
+                f"a drop is {{'source': [layer_index, position_index], 'target': [...]}}, "
+                f"not {drop!r}"
+            )
+        return {"source": list(cells[0]), "target": list(cells[1])}
 
 
 class LayerPicker(anywidget.AnyWidget):

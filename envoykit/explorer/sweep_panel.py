@@ -1,0 +1,113 @@
+"""`SweepPanel`: a causal-tracing sweep started from the explorer, with a progress bar.
+
+`Engine.patch_sweep` reports progress as a tqdm bar, which a button's callback has no cell
+to draw in. The panel runs the sweep one layer at a time instead — one `patch_sweep` call
+per row of the map — moves an ipywidgets ``IntProgress`` after each row and joins the rows
+into one `SweepResult` (`join_rows`), drawn as ``plot.sweep`` draws it. The price: every
+call reads the source and measures the clean and source runs again, three forward passes
+per layer on top of the batched ones. An interrupt (the kernel's stop button) stops it
+between rows, or inside one, and leaves the engine usable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from collections.abc import Sequence
+from typing import Any
+
+import ipywidgets as widgets
+import numpy as np
+
+from envoykit import plot
+from envoykit.errors import EnvoykitError
+from envoykit.explorer.outputs import figure_output, message_html
+from envoykit.sweep_result import SweepResult
+
+TITLE = "Patch sweep"
+
+
+def join_rows(parts: Sequence[SweepResult]) -> SweepResult:
+    """One sweep from sweeps of the same two prompts, target token and positions over
+    different layers, their rows in the order given."""
+    first = parts[0]
+    return dataclasses.replace(
+        first,
+        layers=np.concatenate([part.layers for part in parts]),
+        values=np.concatenate([part.values for part in parts]),
+    )
+
+
+class SweepPanel(widgets.VBox):
+    """A Sweep button and its progress bar over the causal-tracing map.
+
+    ``result`` is the `SweepResult` drawn and ``figure`` its matplotlib figure; both are
+    None while the panel shows a message instead.
+    """
+
+    def __init__(self) -> None:
+        self.button = widgets.Button(
+            description="Sweep",
+            icon="th",
+            tooltip="patch the second prompt into the first at every picked layer and position",
+        )
+        self.progress = widgets.IntProgress(
+            value=0, min=0, max=1, description="layers", layout=widgets.Layout(width="320px")
+        )
+        self.header = widgets.HTML()
+        self.view = widgets.Output()
+        self.result: SweepResult | None = None
+        self.figure: Any = None
+        super().__init__([widgets.HBox([self.button, self.progress]), self.header, self.view])
+        self.add_class("ek-sweep")
+
+    def run(
+        self, engine: Any, source: str, target: str, *, layers: Sequence[int], target_token: int
+    ) -> SweepResult | None:
+        """Sweep ``source`` into ``target`` over ``layers`` (site "resid") and every position,
+        a row at a time; the result, or None when the engine refused (the reason is shown)."""
+        self.button.disabled = True
+        self.progress.max, self.progress.value = len(layers), 0
+        parts: list[SweepResult] = []
+        try:
+            for layer in layers:
+                self._head(f"⏳ layer {layer}: row {len(parts) + 1} of {len(layers)}…")
+                try:
+                    part = engine.patch_sweep(
+                        source, target, layers=[layer], target_token=target_token, progress=False
+                    )
+                except EnvoykitError as err:
+                    self.say(str(err), error=True)
+                    return None
+                parts.append(part)
+                self.progress.value = len(parts)
+        finally:
+            self.button.disabled = False
+        result = join_rows(parts)
+        self.show(result)
+        return result
+
+    def show(self, res: SweepResult) -> None:
+        """Draw ``res`` as ``plot.sweep`` does."""
+        from matplotlib.figure import Figure
+
+        n_layers, n_pos = res.values.shape
+        size = (min(3.5 + 0.9 * n_pos, 12.0), min(2.5 + 0.25 * n_layers, 9.0))
+        ax = Figure(figsize=size).subplots()
+        plot.sweep(res, ax=ax)
+        self.result, self.figure = res, ax.figure
+        self.view.outputs = (figure_output(ax.figure, repr(res)),)
+        self._head(
+            f"{res.label} at the first prompt's last position after copying the second "
+            f"prompt's residual stream at each layer and position (clean {res.clean:.3g}, "
+            f"second prompt {res.source_value:.3g})"
+        )
+
+    def say(self, text: str, *, error: bool = False) -> None:
+        """Show ``text`` in place of a map."""
+        self.result, self.figure = None, None
+        self.view.outputs = ()
+        self._head(text, error=error)
+
+    def _head(self, text: str, *, error: bool = False) -> None:
+        self.header.value = f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error)}"

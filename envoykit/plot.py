@@ -7,6 +7,7 @@ the top-1 probability, the entropy, the KL to the final layer, or a target's pro
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,11 @@ if TYPE_CHECKING:  # types only: `LensResult.plot` imports this module, not the 
     from envoykit.result import LensResult
     from envoykit.sweep_result import SweepResult
     from envoykit.tuned import LensQuality
+
+# Tokens are arbitrary text: one whose glyph the font lacks is drawn as a box, and matplotlib
+# says so once per glyph and per drawing, in the middle of a notebook's output. The box is
+# the honest rendering; the notice is noise.
+warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
 
 
 def heatmap(

@@ -719,3 +719,20 @@ def test_prompts_of_different_lengths_still_patch(comparing):
     assert comparing.comparison is not None  # the run against its patched run
     assert comparing.run_sweep() is None
     assert "as many tokens" in comparing.sweep_panel.header.value
+
+
+@pytest.mark.engine
+def test_lens_selector_applies_the_tuned_lens(tiny2):
+    from envoykit.tuned import offline_texts
+
+    tuned = ek.TunedLens.train(tiny2, offline_texts()[0], steps=2, progress=False)
+    plain = LensExplorer(tiny2, prompt="The capital of France is")
+    assert plain.lens_kind.layout.display == "none"  # no translators, no selector
+    explorer = LensExplorer(tiny2, prompt="The capital of France is", translator=tuned)
+    assert explorer.lens_kind.layout.display is None
+    assert explorer.run().meta["lens"] == "logit"
+    explorer.lens_kind.value = "tuned"
+    res = explorer.run()
+    assert res.meta["lens"] == "tuned"
+    expected = tiny2.lens("The capital of France is", layers=res.layers.tolist(), translator=tuned)
+    np.testing.assert_array_equal(res.top_ids, expected.top_ids)

@@ -56,6 +56,7 @@ from envoykit.patching import Patch
 from envoykit.request import Row, describe_target
 from envoykit.result import LensResult
 from envoykit.sweep_result import SweepResult
+from envoykit.tuned import TunedLens
 
 
 class LensExplorer(widgets.VBox):
@@ -70,6 +71,9 @@ class LensExplorer(widgets.VBox):
     ``other_result`` is its lens, ``comparison`` the `CompareResult` in the diff heatmap,
     ``patch`` the `Patch` a drop applied to ``result`` (`patch_cell`), ``sweep`` the last
     `SweepResult` (`run_sweep`, or the Sweep button).
+
+    ``translator`` (or `set_translator`) offers a tuned lens: a lens selector appears and
+    Run applies the translators on the ranks when it reads "tuned lens".
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class LensExplorer(widgets.VBox):
         top_k: int = 10,
         metric: str = "prob",
         compare_with: str = "",
+        translator: TunedLens | None = None,
     ) -> None:
         readonly = isinstance(source, LensResult)
         self.engine = None if readonly else source
@@ -117,6 +122,14 @@ class LensExplorer(widgets.VBox):
             disabled=readonly,
             layout=widgets.Layout(width="160px"),
         )
+        self.lens_kind = widgets.Dropdown(
+            description="lens",
+            options=[("logit lens", "logit"), ("tuned lens", "tuned")],
+            layout=widgets.Layout(width="200px", display="none"),
+        )
+        self.translator: TunedLens | None = None
+        if translator is not None:
+            self.set_translator(translator)
         self.run_button = widgets.Button(
             description="Run", button_style="primary", icon="play", disabled=readonly
         )
@@ -172,7 +185,7 @@ class LensExplorer(widgets.VBox):
             [
                 self.targets,
                 self.tokenization,
-                widgets.HBox([self.metric, self.top_k]),
+                widgets.HBox([self.metric, self.top_k, self.lens_kind]),
                 widgets.HBox([self.run_button, self.status]),
             ],
             layout=widgets.Layout(width="55%"),
@@ -254,7 +267,15 @@ class LensExplorer(widgets.VBox):
             "top_k": self.top_k.value,
             "targets": self._targets_with_pins(text.split(",") if text else []),
         }
+        if self.lens_kind.value == "tuned":
+            request["translator"] = self.translator
         return self._lens(request, picked, self._second_prompt())
+
+    def set_translator(self, translator: TunedLens) -> None:
+        """Offer the tuned lens of ``translator`` beside the logit lens (the lens selector
+        appears; Run uses the lens it shows)."""
+        self.translator = translator
+        self.lens_kind.layout.display = None
 
     def patch_cell(self, source: Sequence[int], target: Sequence[int]) -> LensResult | None:
         """Patch cell ``source`` of the second prompt's heatmap into the first prompt's run at

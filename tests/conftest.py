@@ -1,8 +1,9 @@
 """Engines are expensive (tens of seconds each), so they are shared fixtures.
 
 ``tiny`` at TP=1 and TP=2 and ``demo`` at TP=3 live for the whole session (each started by
-the first test that needs it); the variants (tied embeddings, logit soft-cap, bfloat16) are
-started by the modules that need them.
+the first test that needs it), and so does ``tiny`` at TP=2 in bfloat16, which two modules
+use; the other variants (tied embeddings, logit soft-cap) are started by the module that needs
+them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def tiny1():
 @pytest.fixture(scope="session")
 def tiny2():
     with start("tiny", 2) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def tiny2_bf16():
+    with start("tiny", 2, dtype="bfloat16") as engine:
         yield engine
 
 

@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import start
 from reference import lens_logits
 
 import envoykit as ek
@@ -65,9 +64,8 @@ class TestCompare:
         again = ek.CompareResult.from_json(res.to_json())
         np.testing.assert_array_equal(again.js, res.js)
 
-    def test_float32_against_bfloat16(self, tiny2):
-        with start("tiny", 2, dtype="bfloat16") as bf16:
-            res = ek.compare((tiny2, A), (bf16, A))
+    def test_float32_against_bfloat16(self, tiny2, tiny2_bf16):
+        res = ek.compare((tiny2, A), (tiny2_bf16, A))
         same = ek.compare((tiny2, A), (tiny2, A))
         assert "bfloat16" in res.b
         assert float(same.js.max()) < 1e-12

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import start
 from reference import lens_logits
 
 import envoykit as ek
@@ -102,9 +101,8 @@ class TestLastLayerIsTheModel:
     def test_float32(self, tiny_engines, tp):
         self.check(tiny_engines[tp])
 
-    def test_bfloat16(self):
-        with start("tiny", 2, dtype="bfloat16") as engine:
-            self.check(engine)
+    def test_bfloat16(self, tiny2_bf16):
+        self.check(tiny2_bf16)
 
 
 class TestRequestShapes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import random
 import signal
 import threading
@@ -85,10 +86,13 @@ def main() -> None:
             except Exception as error:  # counted, and shown
                 counts["unexpected"] += 1
                 print(f"unexpected {type(error).__name__}: {error}")
-    rss = []
+    rss, closes = [], []
     for _ in range(args.cycles):
-        with ek.Engine(args.model, args.tp, progress=False) as engine:
-            engine.lens(PROMPTS[0], top_k=3)
+        engine = ek.Engine(args.model, args.tp, progress=False)
+        engine.lens(PROMPTS[0], top_k=3)
+        began = time.perf_counter()
+        engine.close()
+        closes.append(time.perf_counter() - began)
         rss.append(me.memory_info().rss)
     leaked = [
         p for p in me.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())
@@ -101,7 +105,8 @@ def main() -> None:
         print(f"  {name:<26} {value}")
     print(
         f"  open/close cycles          {args.cycles}, "
-        f"RSS {rss[0] / 2**20:.0f} -> {rss[-1] / 2**20:.0f} MiB"
+        f"RSS {rss[0] / 2**20:.0f} -> {rss[-1] / 2**20:.0f} MiB, close "
+        f"{statistics.median(closes):.1f} s median, {max(closes):.1f} s at most"
     )
     print(f"  leaked processes           {len(leaked)}")
     print(f"  leaked threads             {threading.active_count() - threads_before}")

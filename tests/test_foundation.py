@@ -123,10 +123,6 @@ class TestConstructionErrors:
 
 # Each cycle starts two ranks (30-40 s here); bench/soak.py runs 20 cycles.
 CYCLES = 2
-# vLLM force-kills an engine core still running 5 s into its shutdown; a close that takes
-# longer than this has run into that (it took 5-7 s before the ranks stopped collecting
-# their whole heap at exit; 1.5-2 s since, on two busy cores).
-CLOSE_SECONDS = 4.0
 
 OWNER_SCRIPT = """
 import psutil, envoykit as ek
@@ -157,9 +153,9 @@ def assert_nothing_left_within(before: set[str], seconds: float) -> None:
 
 class TestLifecycle:
     def test_open_close_cycles_leave_nothing(self):
-        """Open/close cycles in one process: each close within `CLOSE_SECONDS`; after each,
-        no process, /dev/shm file, socket or temporary file is left; no thread is left at the
-        end, and resident memory grows by under 10%."""
+        """Open/close cycles in one process: after each close, no process, /dev/shm file,
+        socket or temporary file is left; no thread is left at the end, and resident memory
+        grows by under 10%. (How long a close takes is measured in bench/soak.py, not here.)"""
         me = psutil.Process()
         before_children, before = children(), leftovers()
         threads_before = threading.active_count()
@@ -168,9 +164,7 @@ class TestLifecycle:
             engine = start("tiny", 2)
             assert len(engine.processes) == 3  # the engine core and two ranks
             engine.lens("The capital of France is", top_k=2)
-            began = time.monotonic()
             engine.close()
-            assert time.monotonic() - began < CLOSE_SECONDS
             engine.close()  # idempotent
             assert children() == before_children
             assert leftovers() - before == set()

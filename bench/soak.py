@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import random
 import signal
+import statistics
 import threading
 import time
 

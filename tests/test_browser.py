@@ -85,9 +85,24 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+# Cell (l, p)'s centre on screen, scrolled into the heatmap's view, and whether the heatmap's
+# canvas is what a pointer there would hit (a kernel output still landing may move the page).
+CELL_CENTER = """(el, [l, p]) => {
+    const point = el.ekCellCenter(l, p);
+    const hit = document.elementFromPoint(point.x, point.y);
+    return {...point, hit: hit === el.querySelector("canvas.ek-canvas")};
+}"""
+
+
 def cell_center(page: Any, root: str, layer: int, position: int) -> dict[str, float]:
-    """Where on screen cell (layer, position) of heatmap ``root`` is, scrolled into its view."""
-    return page.locator(root).evaluate("(el, [l, p]) => el.ekCellCenter(l, p)", [layer, position])
+    """Where on screen cell (layer, position) of heatmap ``root`` is, scrolled into its view,
+    once the page has settled so that a pointer there lands on the cell."""
+    heatmap = page.locator(root)
+    return wait_for(
+        lambda: (point := heatmap.evaluate(CELL_CENTER, [layer, position]))["hit"] and point,
+        10,
+        f"cell {layer, position} of {root} to be under the pointer's point",
+    )
 
 
 def hover_cell(page: Any, layer: int, position: int, root: str = HEATMAP) -> dict[str, Any]:
@@ -431,7 +446,7 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
         page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=120000)
         assert_model_text_is_text(page, res, MAIN)
 
-        menu = page.locator(".widget-dropdown select")
+        menu = page.locator(".ek-metric select")
         options = [text.replace("\xa0", " ") for text in menu.locator("option").all_inner_texts()]
         assert options[-1] == f"p({XSS_IMG!r})"
         menu.select_option(index=len(options) - 1)  # through the kernel and back

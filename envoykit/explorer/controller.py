@@ -114,6 +114,7 @@ class LensExplorer(widgets.VBox):
         )
         self.tokenization = widgets.HTML()
         self.metric = widgets.Dropdown(description="metric", options=self._metric_options())
+        self.metric.add_class("ek-metric")  # the page's handle on it, beside other menus
         self.top_k = widgets.BoundedIntText(
             value=source.top_ids.shape[-1] if readonly else top_k,
             min=1,

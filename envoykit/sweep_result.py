@@ -37,7 +37,7 @@ class SweepResult:
         meta: model name, TP size, dtype, batch size.
 
     >>> res = SweepResult.example()
-    >>> res.values.shape, res.effect().max() <= 1.0
+    >>> res.values.shape, bool(res.effect().max() <= 1.0)
     ((2, 3), True)
     """
 

@@ -21,28 +21,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates anything
 
 import torch
+from timing import median_seconds
 
 import envoykit as ek
 from envoykit.platform import usable_cpus
 
 TARGET = " Paris"
 PROMPT = "The capital of France is a city with a long history, and its name is"
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def nnsight_transformers_lens(path: str, top_k: int, target: str):

@@ -14,25 +14,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the ranks do (envoykit/platform.py)
+
+from timing import median_seconds
 
 import envoykit as ek
 
 PROMPT = "The capital of France is a city with a long history, and its name is"
 SITES = ("resid", "resid_mid", "attn", "mlp")
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -7,17 +7,18 @@ lens's layers (``"attn 12"`` is the block whose write the lens row ``"12.attn"``
 
 from __future__ import annotations
 
-import json
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from envoykit.jsonable import Jsonable
+
 
 @dataclass(frozen=True, eq=False)
-class AttributionResult:
+class AttributionResult(Jsonable):
     """How much each component writes into each target's final logit, at each position.
 
     Shapes: ``C`` components, ``P`` positions, ``N`` targets.
@@ -138,34 +139,6 @@ class AttributionResult:
                 "logit": self.logits[p, n],
             }
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, np.ndarray):
-                value = value.tolist()
-            elif isinstance(value, Mapping):
-                value = dict(value)
-            out[f.name] = value
-        return out
-
-    def to_json(self, path: str | None = None) -> str:
-        """The result as JSON (exact: float32 values survive the round trip bit for bit)."""
-        text = json.dumps(self.to_dict())
-        if path is not None:
-            with open(path, "w") as handle:
-                handle.write(text)
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: str) -> AttributionResult:
-        """Read what `to_json` wrote: the JSON text itself, or the path of a file holding it."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path) as handle:
-                text = handle.read()
-        return cls(**json.loads(text))
 
     def __repr__(self) -> str:
         return (

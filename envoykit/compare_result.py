@@ -5,13 +5,14 @@ Plots read only this. Rows are layers, columns aligned positions (index ``i`` of
 
 from __future__ import annotations
 
-import json
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from envoykit.jsonable import Jsonable
 
 _ARRAYS = {
     "layers": np.int64,
@@ -29,7 +30,7 @@ _TEXTS = ("tokens_a", "tokens_b", "top_tokens_a", "top_tokens_b", "target_labels
 
 
 @dataclass(frozen=True, eq=False)
-class CompareResult:
+class CompareResult(Jsonable):
     """Run ``a`` against run ``b``: ``L`` layers, ``P`` aligned positions, ``N`` targets.
 
     Attributes:
@@ -147,34 +148,6 @@ class CompareResult:
         for i, label in enumerate(self.target_labels):
             frame[f"delta_prob[{label}]"] = (self.target_probs_b - self.target_probs_a)[li, pi, i]
         return frame
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, np.ndarray):
-                value = value.tolist()
-            elif isinstance(value, Mapping):
-                value = dict(value)
-            out[f.name] = value
-        return out
-
-    def to_json(self, path: str | None = None) -> str:
-        """The result as JSON (exact: the values survive the round trip bit for bit)."""
-        text = json.dumps(self.to_dict())
-        if path is not None:
-            with open(path, "w") as handle:
-                handle.write(text)
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: str) -> CompareResult:
-        """Read what `to_json` wrote: the JSON text itself, or the path of a file holding it."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path) as handle:
-                text = handle.read()
-        return cls(**json.loads(text))
 
     def plot(self, metric: str = "js", **kwargs: Any) -> Any:
         """The diff heatmap (see `envoykit.plot.compare`)."""

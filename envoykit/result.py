@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import json
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from envoykit.errors import InvalidRequest
+from envoykit.jsonable import Jsonable
 from envoykit.request import SITES
 
 # How a row's label names its site: layer 12's rows are "12.attn", "12.mid", "12.mlp", "12".
@@ -60,7 +60,7 @@ class TargetTrace:
 
 
 @dataclass(frozen=True, eq=False)
-class LensResult:
+class LensResult(Jsonable):
     """A logit lens of one prompt.
 
     Layer 0 is the embedding output, layer ``i`` the residual stream after decoder layer
@@ -355,29 +355,12 @@ class LensResult:
             out[f.name] = value.tolist() if isinstance(value, np.ndarray) else _thaw(value)
         return out
 
-    def to_json(self, path: str | None = None) -> str:
-        """The result as JSON (exact: float32 values survive the round trip bit for bit)."""
-        text = json.dumps(self.to_dict())
-        if path is not None:
-            with open(path, "w") as handle:
-                handle.write(text)
-        return text
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LensResult:
         kwargs = dict(data)
         for name, (_, dtype) in _ARRAY_FIELDS.items():
             kwargs[name] = np.asarray(kwargs[name], dtype=dtype)
         return cls(**kwargs)
-
-    @classmethod
-    def from_json(cls, text_or_path: str) -> LensResult:
-        """Read what `to_json` wrote: the JSON text itself, or the path of a file holding it."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path) as handle:
-                text = handle.read()
-        return cls.from_dict(json.loads(text))
 
     def __reduce__(self) -> tuple:
         # A read-only mapping cannot be pickled (nor deep-copied); rebuilding through

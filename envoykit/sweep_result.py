@@ -5,19 +5,20 @@ Immutable and validated like `LensResult`; plots read only this.
 
 from __future__ import annotations
 
-import json
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from envoykit.jsonable import Jsonable
 
 METRICS = {"prob": "p({target})", "logit_diff": "logit({target}) - logit({other})"}
 
 
 @dataclass(frozen=True, eq=False)
-class SweepResult:
+class SweepResult(Jsonable):
     """The target's next-token metric after copying the source's stream at each cell.
 
     Shapes: ``L`` layers, ``P`` positions (the same in both prompts, which tokenize to the
@@ -126,34 +127,6 @@ class SweepResult:
                 "effect": self.effect()[li, pi],
             }
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, np.ndarray):
-                value = value.tolist()
-            elif isinstance(value, Mapping):
-                value = dict(value)
-            out[f.name] = value
-        return out
-
-    def to_json(self, path: str | None = None) -> str:
-        """The result as JSON (exact: float32 values survive the round trip bit for bit)."""
-        text = json.dumps(self.to_dict())
-        if path is not None:
-            with open(path, "w") as handle:
-                handle.write(text)
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: str) -> SweepResult:
-        """Read what `to_json` wrote: the JSON text itself, or the path of a file holding it."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path) as handle:
-                text = handle.read()
-        return cls(**json.loads(text))
 
     def plot(self, **kwargs: Any) -> Any:
         """The causal-tracing map (see `envoykit.plot.sweep`)."""

@@ -94,6 +94,10 @@ def main(argv: list[str]) -> None:
     split = argv.index("--")
     pids, paths = [int(pid) for pid in argv[:split]], argv[split + 1 :]
     started = start_times(pids)
+    # Only the pipe ends this process: a signal meant for the engine or its owner (an
+    # interrupt, a terminate, a hang-up) arriving here too would end it before it cleans up.
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_IGN)
     sys.stdin.buffer.read()  # returns at end of file: the owner closed the engine, or died
     clean_up(started, paths, _GRACE_SECONDS)
 

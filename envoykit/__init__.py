@@ -9,7 +9,13 @@ from envoykit.attribution_result import AttributionResult
 from envoykit.compare import Run, compare
 from envoykit.compare_result import CompareResult
 from envoykit.engine import Engine, ModelInfo
-from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest, ShardedValue
+from envoykit.errors import (
+    EngineDead,
+    EnvoykitError,
+    InvalidRequest,
+    ServerUnavailable,
+    ShardedValue,
+)
 from envoykit.patching import Patch
 from envoykit.result import LensResult, TargetTrace
 from envoykit.sweep_result import SweepResult
@@ -28,11 +34,13 @@ __all__ = [
     "ModelInfo",
     "Patch",
     "Run",
+    "ServerUnavailable",
     "ShardedValue",
     "SweepResult",
     "TargetTrace",
     "TunedLens",
     "compare",
+    "connect",
     "plot",
 ]
 __version__ = "0.1.0"
@@ -45,4 +53,9 @@ def __getattr__(name: str):
         from envoykit.explorer import LensExplorer
 
         return LensExplorer
+    # The client needs nnsight's vLLM wrapper (about a second to import): on first use too.
+    if name == "connect":
+        from envoykit.client import connect
+
+        return connect
     raise AttributeError(f"module 'envoykit' has no attribute {name!r}")

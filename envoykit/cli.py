@@ -1,12 +1,14 @@
-"""The ``envoykit`` command: ``info``, ``lens``, ``attribute`` and ``lab``.
+"""The ``envoykit`` command: ``info``, ``lens``, ``attribute``, ``serve`` and ``lab``.
 
 Engines need the ``if __name__ == "__main__"`` guard vLLM's spawned ranks expect; a console
-script's entry point provides it.
+script's entry point provides it. ``info``, ``lens`` and ``attribute`` start an engine of
+their own, or with ``--server [URL]`` use a running ``envoykit serve``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -51,17 +53,39 @@ def main(argv: list[str] | None = None) -> int:
     attribute.add_argument("--out", type=Path, default=Path("attribution.png"))
     attribute.add_argument("--json", type=Path, help="also write the AttributionResult")
 
+    serve = commands.add_parser(
+        "serve",
+        help="serve an engine to notebooks (ek.connect()); vLLM options pass through",
+        description="Start an engine and serve it over HTTP to ek.connect() and --server. It "
+        "runs the code its clients send: it listens on 127.0.0.1 and every request needs the "
+        "token it writes under the cache directory. Options it does not know "
+        "(--distributed-executor-backend ray, ...) go to vLLM unchanged.",
+    )
+    serve.add_argument("--model", default="demo", help="built-in name, local dir or hub id")
+    serve.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: max)")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--host", default="127.0.0.1", help="other than loopback: --token-file")
+    serve.add_argument("--port", type=int, default=6677, help="0 picks a free port")
+    serve.add_argument("--token-file", type=Path, help="use this token (file of mode 600)")
+    serve.add_argument("--restart", action="store_true", help="restart an engine that dies")
+    serve.add_argument("--log-level", default="ERROR", help="vLLM's screen log level")
+
     lab = commands.add_parser("lab", help="JupyterLab on notebooks/, bound to 127.0.0.1")
     lab.add_argument("--port", type=int, default=8888)
     lab.add_argument("--dir", type=Path, default=Path("notebooks"))
 
-    args = parser.parse_args(argv)
+    args, passed_on = parser.parse_known_args(argv)
+    if passed_on and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
     if args.command == "lab":
         return _lab(args)
-    from envoykit import Engine, EnvoykitError
+    if args.command == "serve":
+        return _serve(args, passed_on)
+    from envoykit import EnvoykitError
 
     try:
-        with Engine(args.model, args.tp, dtype=args.dtype) as engine:
+        with _engine(args) as engine:
             if args.command == "info":
                 _print_info(engine, args.prompt)
             elif args.command == "tune":
@@ -80,6 +104,56 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="built-in name, local dir or hub id")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: max)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--server",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="use a running `envoykit serve` (no URL: $ENVOYKIT_SERVER or the newest local one)",
+    )
+
+
+def _engine(args: argparse.Namespace):
+    """The engine a command runs on: a server's when --server is given, else a new one."""
+    if args.server is not None:
+        from envoykit import connect
+
+        return connect(args.server or None)
+    from envoykit import Engine
+
+    return Engine(args.model, args.tp, dtype=args.dtype)
+
+
+def _serve(args: argparse.Namespace, passed_on: list[str]) -> int:
+    from nnsight.modeling.vllm.serve.cli import _parse_vllm_args
+
+    from envoykit import EnvoykitError
+    from envoykit.server import serve
+
+    try:
+        status = serve(
+            args.model,
+            tensor_parallel_size=args.tp,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            host=args.host,
+            port=args.port,
+            token_file=args.token_file,
+            restart=args.restart,
+            log_level=args.log_level,
+            # nnsight-serve's own spelling: --flag value becomes flag=value, coerced.
+            engine_kwargs=_parse_vllm_args(passed_on),
+        )
+    except EnvoykitError as error:
+        print(f"envoykit serve: {error}", file=sys.stderr)
+        return 2
+    # The engine is closed and the process exits next: skip the interpreter's last garbage
+    # collections of a heap holding torch, vLLM and the model's tree (tens of seconds on
+    # two busy cores), as the ranks do (`envoykit.lifeline`).
+    gc.freeze()
+    if status == 0:
+        print("envoykit serve: stopped; the engine is closed", file=sys.stderr)
+    return status
 
 
 def _print_info(engine, prompt: str) -> None:

@@ -184,10 +184,14 @@ class Engine(EngineSurface):
         steps.close()
         self.load_seconds = time.perf_counter() - started
         if self._progress:
-            print(
-                f"envoykit: {self._source.name} on {self._tp} {self._platform} rank(s), "
-                f"{self._dtype}, ready in {self.load_seconds:.1f} s; vLLM log: {self.log_file}"
-            )
+            self._announce()
+
+    def _announce(self) -> None:
+        """The one line a start prints under its progress bar (a server prints its own)."""
+        print(
+            f"envoykit: {self._source.name} on {self._tp} {self._platform} rank(s), "
+            f"{self._dtype}, ready in {self.load_seconds:.1f} s; vLLM log: {self.log_file}"
+        )
 
     def _spawn(self, workers: Any, env: dict[str, str], scratch: str, steps: Any) -> Any:
         """vLLM's engine under nnsight, its processes started with ``env`` and ``scratch``."""

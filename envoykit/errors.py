@@ -2,8 +2,9 @@
 
 Everything derives from `EnvoykitError`, so a notebook can catch the whole family; the
 subclasses tell apart a request that was refused before reaching the ranks
-(`InvalidRequest`), a value that would only be one rank's piece (`ShardedValue`) and an
-engine that can no longer answer (`EngineDead`).
+(`InvalidRequest`), a value that would only be one rank's piece (`ShardedValue`), an
+engine that can no longer answer (`EngineDead`) and an engine server that cannot be reached
+(`ServerUnavailable`).
 """
 
 from __future__ import annotations
@@ -27,3 +28,8 @@ class ShardedValue(EnvoykitError):
 
 class EngineDead(EnvoykitError):
     """The engine's processes are gone (closed, crashed or killed); call ``engine.restart()``."""
+
+
+class ServerUnavailable(EnvoykitError, ConnectionError):
+    """No engine server answers at that address (not started, stopped, unreachable, still
+    starting) or it refused this client's token; nothing ran on it."""

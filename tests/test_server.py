@@ -1,0 +1,485 @@
+"""`envoykit serve` and `ek.connect()` with real server processes on 127.0.0.1.
+
+One server (``tiny``, TP=2) serves the module; the last test stops it with SIGTERM. Two more
+start for the faults that end an engine: a rank killed under a server (which exits), and
+under one started with ``--restart`` (which restarts, and is then killed outright). Results
+are compared with the in-process engine of the same model and TP size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+import envoykit as ek
+from envoykit import tokens
+from envoykit.cleanup import mapped_segments
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "The capital of France is"
+START_SECONDS = 600  # an engine start on two busy cores
+
+
+class Server:
+    """An `envoykit serve` process and everything its engine made, to check it is gone."""
+
+    def __init__(self, log_dir: Path, *options: str) -> None:
+        self.stderr_path = log_dir / "serve.stderr"
+        command = [sys.executable, "-m", "envoykit.cli", "serve", "--model", "tiny", "--tp", "2"]
+        self.process = subprocess.Popen(
+            [*command, "--port", "0", *options],
+            stdout=subprocess.PIPE,
+            stderr=self.stderr_path.open("w"),
+            text=True,
+            cwd=ROOT,
+        )
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            line = self.lines.get(timeout=START_SECONDS)
+        except queue.Empty:
+            self.process.kill()
+            raise AssertionError(f"no ready line: {self.stderr()[-2000:]}") from None
+        found = re.search(r" at (http://\S+) \(token in (\S+);", line)
+        assert found, line
+        self.ready_line = line
+        self.url, self.record = found[1], Path(found[2])
+        self.engine_pids: list[int] = []
+        self.segments: set[str] = set()
+        self.scratch: set[str] = set()
+        self.watch_engine()
+
+    def watch_engine(self) -> None:
+        """Note the engine's processes, the segments they map and their scratch directory."""
+        engine = [p for p in self.descendants() if p.name().startswith("VLLM::")]
+        self.engine_pids += [p.pid for p in engine]
+        self.segments |= {f"/dev/shm/{name}" for name in mapped_segments(set(engine))}
+        self.scratch |= {_environ(p.pid).get("TMPDIR") for p in engine} - {None}
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+
+    def descendants(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return psutil.Process(self.process.pid).children(recursive=True)
+        return []
+
+    def rank(self, number: int) -> psutil.Process:
+        (found,) = [p for p in self.descendants() if p.name() == f"VLLM::Worker_TP{number}"]
+        return found
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def token(self) -> str:
+        return tokens.find(self.url).token
+
+    def assert_nothing_left(self, seconds: float) -> None:
+        """No engine process, shared-memory segment, scratch directory or token record."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.leftovers():
+            time.sleep(0.25)
+        left = self.leftovers()
+        for pid in self.engine_pids:  # leak nothing into the rest of the run
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert left == [], left
+
+    def leftovers(self) -> list:
+        alive = [pid for pid in self.engine_pids if _alive(pid)]
+        paths = [p for p in (*self.segments, *self.scratch, str(self.record)) if os.path.exists(p)]
+        return alive + paths
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as file:
+        pairs = [item.split(b"=", 1) for item in file.read().split(b"\0") if b"=" in item]
+    return {key.decode(): value.decode() for key, value in pairs}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    served = Server(tmp_path_factory.mktemp("server"))
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with ek.connect(server.url) as connection:
+        yield connection
+
+
+def assert_same_lens(a: ek.LensResult, b: ek.LensResult) -> None:
+    np.testing.assert_array_equal(a.top_ids, b.top_ids)
+    np.testing.assert_array_equal(a.target_ranks, b.target_ranks)
+    np.testing.assert_array_equal(a.positions, b.positions)
+    for name in ("top_probs", "entropy", "kl", "target_probs"):
+        np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=0, atol=1e-6)
+    assert (a.tokens, a.sites, a.target_labels, a.n_generated) == (
+        b.tokens,
+        b.sites,
+        b.target_labels,
+        b.n_generated,
+    )
+    assert {k: v for k, v in a.meta.items() if k != "returned_bytes"} == {
+        k: v for k, v in b.meta.items() if k != "returned_bytes"
+    }
+
+
+# -- the same surface, the same results ---------------------------------------------------
+
+
+def test_ready_line_and_token_file(server):
+    """One line with the URL; the token in a 0600 file in a 0700 directory, never printed."""
+    assert server.ready_line.startswith("envoykit serve: tiny on 2 cpu rank(s)")
+    assert server.url.startswith("http://127.0.0.1:")
+    assert stat.S_IMODE(server.record.stat().st_mode) == 0o600
+    assert stat.S_IMODE(server.record.parent.stat().st_mode) == 0o700
+    token = server.token()
+    assert len(token) >= 40
+    log = re.search(r"vLLM log: (\S+)\)", server.ready_line)[1]
+    for text in (server.ready_line, server.stderr(), Path(log).read_text()):
+        assert token not in text
+
+
+def test_info_and_locations_equal_in_process(client, tiny2):
+    assert client.info == tiny2.info
+    assert client.locations() == tiny2.locations()
+    assert client.tokenizer(PROMPT)["input_ids"] == tiny2.tokenizer(PROMPT)["input_ids"]
+
+
+def test_lens_equals_in_process(client, tiny2):
+    """Every lens argument through the server gives what the in-process engine gives."""
+    cases = [
+        dict(prompt=PROMPT, targets=[" Paris", 17], top_k=5),
+        dict(prompt=PROMPT, layers=["embed", 1, -1], positions=[0, -1], reduce_dtype="float64"),
+        dict(prompt=PROMPT, sites=("resid", "resid_mid", "attn", "mlp"), layers=[2, 3]),
+        dict(prompt=PROMPT, patch=ek.Patch("The capital of Italy is", layer=2)),
+        dict(prompt=[PROMPT, "Hello world", "One two three"], generate=3, top_k=3),
+    ]
+    for case in cases:
+        remote, local = client.lens(**case), tiny2.lens(**case)
+        if isinstance(remote, list):
+            assert len(remote) == len(local) == 3
+        for a, b in zip(np.atleast_1d(remote), np.atleast_1d(local)):
+            assert_same_lens(a, b)
+
+
+def test_multi_trace_requests_equal_in_process(client, tiny2):
+    """Attribution, a patch sweep (batched invokes) and a comparison, through the server."""
+    a, b = client.attribute(PROMPT, [5, 17]), tiny2.attribute(PROMPT, [5, 17])
+    np.testing.assert_allclose(a.values, b.values, atol=1e-5)
+    source, target = "The capital of France is", "The capital of Italy is"
+    kwargs = dict(target_token=5, layers=[1, 3], batch=3, progress=False)
+    np.testing.assert_allclose(
+        client.patch_sweep(source, target, **kwargs).values,
+        tiny2.patch_sweep(source, target, **kwargs).values,
+        atol=1e-6,
+    )
+    remote = client.lens([source, target], compare=True)
+    local = tiny2.lens([source, target], compare=True)
+    np.testing.assert_allclose(remote.js, local.js, atol=1e-9)
+
+
+def test_generation_and_plain_traces_run_on_the_server(client, tiny2):
+    assert client.generate_ids(PROMPT, 8) == tiny2.generate_ids(PROMPT, 8)
+    assert client.generate(PROMPT, 8) == tiny2.generate(PROMPT, 8)
+    results = []
+    for engine in (client, tiny2):
+        with engine.trace(PROMPT):
+            hidden, residual = engine.model.model.layers[-1].output
+            normed, _ = engine.model.model.norm(hidden.clone(), residual.clone())
+            logits = engine.model.lm_head(normed).save()
+            final = engine.model.logits.save()
+        results.append((logits, final))
+    (remote, remote_final), (local, _) = results
+    assert remote.shape == (len(client.tokenizer(PROMPT)["input_ids"]), client.info.vocab)
+    np.testing.assert_allclose(remote[-1], remote_final[-1], atol=1e-5)
+    np.testing.assert_allclose(remote, local, atol=1e-6)
+
+
+def test_explorer_on_a_connection(client, tiny2):
+    """The widget runs its lens through the server and shows what it shows in-process."""
+    data = []
+    for engine in (client, tiny2):
+        explorer = ek.LensExplorer(engine, prompt=PROMPT, targets=[" Paris"], top_k=5)
+        assert explorer.run() is explorer.result
+        data.append(explorer.heatmap.data)
+    remote, local = data
+    assert remote["vocab"] == local["vocab"] and remote["top_ids"] == local["top_ids"]
+    np.testing.assert_allclose(remote["top_probs"], local["top_probs"], atol=1e-6)
+
+
+def test_cli_lens_through_the_server(server, tiny2, tmp_path):
+    figure = tmp_path / "lens.png"
+    command = ["lens", PROMPT, "--server", server.url, "--target", " Paris", "--out", figure]
+    out = subprocess.run(
+        [sys.executable, "-m", "envoykit.cli", *map(str, command)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = tiny2.lens(PROMPT, layers=["embed", "all"], targets=[" Paris"])
+    for (layer, token, _), line in zip(res.top1(-1), out.stdout.splitlines()[2:]):
+        assert line.split(":", 1)[1].strip().startswith(repr(token)), (layer, line)
+    assert figure.stat().st_size > 0
+
+
+# -- the token ----------------------------------------------------------------------------
+
+
+def test_every_path_but_health_needs_the_token(server):
+    good = {"ndif-api-key": server.token()}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        for path in ("/v1/envoykit/info", "/v1/envoykit/status", "/docs", "/openapi.json"):
+            assert http.get(path).status_code == 401, path
+            assert http.get(path, headers={"ndif-api-key": "wrong"}).status_code == 401, path
+        assert http.post("/v1/nnsight/generate", content=b"x").status_code == 401
+        assert http.get("/v1/envoykit/info", headers=good).status_code == 200
+    with pytest.raises(ek.ServerUnavailable, match="refused the token"):
+        ek.connect(server.url, token="not-the-token")
+
+
+def test_a_trace_with_a_wrong_token_does_not_run(client, tmp_path):
+    """The same trace writes a file on the server with the token, and nothing without it."""
+    from nnsight.modeling.vllm.serve.backend import LocalServeBackend
+
+    marker = str(tmp_path / "ran")
+    wrong = LocalServeBackend(client.model, client.url, api_key="wrong")
+    with pytest.raises(ConnectionError, match="401"):
+        with client.model.trace(PROMPT, max_tokens=1, backend=wrong):
+            open(marker, "w").close()
+    assert not os.path.exists(marker)
+    with client.trace(PROMPT):
+        open(marker, "w").close()
+    assert os.path.exists(marker)
+
+
+# -- faults: a clear error at the client, a server that keeps serving ---------------------
+
+
+def test_errors_come_back_as_in_process(client, tiny2):
+    expected = tiny2.lens(PROMPT, top_k=3)
+    for engine in (client, tiny2):
+        with pytest.raises(ek.ShardedValue, match="act_fn"):
+            with engine.trace(PROMPT):
+                engine.model.model.layers[0].mlp.act_fn.output.save()
+        with pytest.raises(ek.InvalidRequest, match="LM head"):  # raised on the ranks
+            with engine.trace(PROMPT):
+                engine.model.lm_head(engine.model.model.embed_tokens.input).save()
+        with pytest.raises(ek.InvalidRequest, match="layer 9 does not exist"):  # before
+            engine.lens(PROMPT, layers=[9])
+        with pytest.raises(RuntimeError, match="ValueError: invalid literal"):
+            with engine.trace(PROMPT):
+                engine.model.logits.save()
+                int("not a number")
+    assert_same_lens(client.lens(PROMPT, top_k=3), expected)
+
+
+def test_malformed_body_is_400(server, client):
+    with httpx.Client(base_url=server.url, headers={"ndif-api-key": server.token()}) as http:
+        for body in (b"", b"not a trace", b"\x80\x04K\x01."):  # the last: pickle of 1
+            response = http.post("/v1/nnsight/generate", content=body, timeout=30)
+            assert response.status_code == 400, (body, response.text)
+            assert "not a serialized nnsight trace" in response.json()["detail"]
+    assert client.generate_ids(PROMPT, 2)
+
+
+SLOW_CLIENT = """
+import time, envoykit as ek
+client = ek.connect({url!r})
+print("CONNECTED", flush=True)
+with client.trace({prompt!r}, max_tokens=200, ignore_eos=True) as tracer:
+    for step in tracer.iter[:200]:
+        time.sleep(0.1)  # on the ranks: twenty seconds in all
+        client.model.logits.save()
+"""
+
+
+def test_client_killed_mid_request_is_aborted_and_freed(server, client):
+    """A client killed during a 20-second request: within seconds the server holds no
+    request and no worker for it, and answers the next one."""
+    expected = client.lens(PROMPT, top_k=3)
+    slow = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CLIENT.format(url=server.url, prompt=PROMPT)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert slow.stdout.readline().strip() == "CONNECTED"
+        deadline = time.monotonic() + 120
+        while client.status()["in_flight"] == 0:
+            assert time.monotonic() < deadline and slow.poll() is None
+            time.sleep(0.2)
+        time.sleep(1)
+    finally:
+        slow.kill()
+        slow.wait()
+    killed = time.monotonic()
+    while (status := client.status(workers=True)) != {"in_flight": 0, "workers": [0, 0]}:
+        assert time.monotonic() - killed < 8, status
+        time.sleep(0.2)
+    assert_same_lens(client.lens(PROMPT, top_k=3), expected)
+
+
+def test_concurrent_clients_get_serial_results(server, client):
+    """Two connections (two kernels' worth) running lenses at once get what serial runs gave."""
+    prompts = [PROMPT, "Hello world, said the", "One two three four", "A B C D E"]
+    serial = {p: client.lens(p, top_k=5, generate=3) for p in prompts}
+    results: dict[str, list] = {}
+
+    def run(name: str) -> None:
+        with ek.connect(server.url) as mine:
+            results[name] = [(p, mine.lens(p, top_k=5, generate=3)) for p in prompts * 2]
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert sorted(results) == ["a", "b"]
+    for name in "ab":
+        for prompt, res in results[name]:
+            assert_same_lens(res, serial[prompt])
+
+
+def test_no_server_is_a_clear_error_within_the_timeout(tmp_path, monkeypatch):
+    connect = ek.connect  # imported: the time below is the wait for an answer
+    with socket_listening_silently() as url:
+        began = time.monotonic()
+        with pytest.raises(ek.ServerUnavailable, match="did not answer within 1 s"):
+            connect(url, token="t" * 20, timeout=1)
+        assert time.monotonic() - began < 3
+    with pytest.raises(ek.ServerUnavailable, match="no envoykit server answers"):
+        ek.connect(url, token="t" * 20, timeout=1)  # now nothing listens there
+    monkeypatch.setenv("ENVOYKIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("ENVOYKIT_SERVER", raising=False)
+    with pytest.raises(ek.ServerUnavailable, match="no envoykit server of yours"):
+        ek.connect()
+    with pytest.raises(ek.ServerUnavailable, match="no token"):
+        ek.connect(url)
+
+
+@contextlib.contextmanager
+def socket_listening_silently():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_sigterm_leaves_nothing(server, client):
+    """Last in this module: SIGTERM stops the shared server; exit 0, nothing left, and its
+    client gets a clear error."""
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(60) == 0
+    server.assert_nothing_left(10)
+    with pytest.raises(ek.ServerUnavailable, match="no envoykit server answers"):
+        client.lens(PROMPT)
+
+
+# -- faults that end a server -------------------------------------------------------------
+
+
+def test_killed_rank_gives_engine_dead_and_the_server_exits_saying_why(tmp_path):
+    served = Server(tmp_path)
+    try:
+        with ek.connect(served.url) as connection:
+            assert connection.generate_ids(PROMPT, 2)
+            kill_a_rank_during_a_lens(served, connection)
+            assert served.process.wait(60) == 3
+            assert "the engine's processes died" in served.stderr()
+            assert "VLLM::Worker_TP1" in served.stderr()
+            served.assert_nothing_left(30)
+            with pytest.raises(ek.ServerUnavailable):
+                connection.lens(PROMPT)
+    finally:
+        served.stop()
+
+
+def test_restart_then_killed_server_leaves_nothing(tmp_path):
+    """With --restart a killed rank gives `EngineDead`, then a fresh engine serves the same
+    lens. kill -9 of the server then: its ranks die with it, janitors remove its shared
+    memory and its token record."""
+    served = Server(tmp_path, "--restart")
+    try:
+        assert len(served.engine_pids) == 3 and served.segments and served.scratch
+        with ek.connect(served.url) as connection:
+            expected = connection.lens(PROMPT, top_k=3)
+            kill_a_rank_during_a_lens(served, connection)
+            deadline = time.monotonic() + START_SECONDS
+            while True:
+                assert time.monotonic() < deadline and served.process.poll() is None
+                try:
+                    restarted = connection.lens(PROMPT, top_k=3)
+                    break
+                except ek.EngineDead:  # the server has not noticed yet
+                    time.sleep(0.2)
+                except ek.ServerUnavailable as error:  # while the new engine starts
+                    assert "restarting" in str(error)
+                    time.sleep(1)
+            assert_same_lens(restarted, expected)
+        served.watch_engine()
+        assert len(served.engine_pids) == 6
+        served.process.kill()
+        served.process.wait()
+        served.assert_nothing_left(30)
+    finally:
+        served.stop()
+
+
+def kill_a_rank_during_a_lens(served: Server, connection) -> None:
+    """Kill rank 1 while a long lens runs: the lens must end in `EngineDead`."""
+    box: dict = {}
+
+    def long_lens() -> None:
+        try:
+            connection.lens([PROMPT] * 8, generate=200, top_k=3)
+        except BaseException as error:
+            box["error"] = error
+
+    thread = threading.Thread(target=long_lens)
+    thread.start()
+    while connection.status()["in_flight"] == 0:
+        time.sleep(0.1)
+    served.rank(1).kill()
+    thread.join(60)
+    assert isinstance(box.get("error"), ek.EngineDead), box

@@ -147,9 +147,9 @@ def _serve(args: argparse.Namespace, passed_on: list[str]) -> int:
     except EnvoykitError as error:
         print(f"envoykit serve: {error}", file=sys.stderr)
         return 2
-    # The engine is closed and the process exits next: skip the interpreter's last garbage
-    # collections of a heap holding torch, vLLM and the model's tree (tens of seconds on
-    # two busy cores), as the ranks do (`envoykit.lifeline`).
+    # The engine is closed (its segments unlinked) and the process exits next: skip the
+    # interpreter's last garbage collections of a heap holding torch, vLLM and the model's
+    # tree (tens of seconds on two busy cores).
     gc.freeze()
     if status == 0:
         print("envoykit serve: stopped; the engine is closed", file=sys.stderr)

@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -206,6 +207,7 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
     from vllm.v1.engine.exceptions import EngineDeadError
 
     model = nnsight_server._ready()
+    began = time.perf_counter()
     compress = headers.get("nnsight-compress", "False").lower() == "true"
     try:
         try:
@@ -225,6 +227,7 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
         model.interleaver.cancel()
 
     engine = model.vllm_entrypoint
+    built = time.perf_counter()
     runs = [
         _run_invoke(engine, prompt, param, loras[i] if loras else None, state)
         for i, (prompt, param) in enumerate(zip(prompts, params))
@@ -237,9 +240,19 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
     if failures:
         logger.info("generation failed: %r", failures[0])
         return nnsight_server._payload({}, capture_exception(failures[0]))
+    ran = time.perf_counter()
     entries = [entry or {"saves": {}, "error": None, "sequences": {}} for entry in results]
     error = next((entry["error"] for entry in entries if entry.get("error")), None)
-    return nnsight_server._payload({} if error else merged_saves(mediators, entries), error)
+    answer = nnsight_server._payload({} if error else merged_saves(mediators, entries), error)
+    logger.info(
+        "trace of %d invoke(s): built in %.0f ms, ran in %.0f ms, answer (%d bytes) in %.0f ms",
+        len(prompts),
+        1000 * (built - began),
+        1000 * (ran - built),
+        len(answer.body),
+        1000 * (time.perf_counter() - ran),
+    )
+    return answer
 
 
 async def _run_invoke(engine: Any, prompt: Any, param: Any, lora: Any, state: ServerState) -> Any:

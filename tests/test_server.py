@@ -244,6 +244,26 @@ def test_explorer_on_a_connection(client, tiny2):
     np.testing.assert_allclose(remote["top_probs"], local["top_probs"], atol=1e-6)
 
 
+def test_a_client_without_the_checkpoint_gets_its_files(server, client, tmp_path, monkeypatch):
+    """A client on another machine has no checkpoint at the server's path: the server sends
+    the config and tokenizer (never weights) and the tree built from them gives the same lens.
+    The other machine is this one with the server's path taken for absent."""
+    from envoykit import client as client_module
+
+    have = client_module._same_files
+    away = client.info.path
+    monkeypatch.setattr(client_module, "_same_files", lambda d, f: str(d) != away and have(d, f))
+    token = server.token()
+    monkeypatch.setenv("ENVOYKIT_CACHE", str(tmp_path))  # no record of the server there
+    with ek.connect(server.url, token=token) as elsewhere:
+        (copy,) = (tmp_path / "served").iterdir()
+        names = sorted(path.name for path in copy.iterdir())
+        assert "config.json" in names and "tokenizer.json" in names
+        assert not [name for name in names if name.endswith(".safetensors")]
+        assert elsewhere.model.args[0] == str(copy)
+        assert_same_lens(elsewhere.lens(PROMPT, top_k=3), client.lens(PROMPT, top_k=3))
+
+
 def test_cli_lens_through_the_server(server, tiny2, tmp_path):
     figure = tmp_path / "lens.png"
     command = ["lens", PROMPT, "--server", server.url, "--target", " Paris", "--out", figure]

@@ -49,6 +49,7 @@ from nnsight.modeling.vllm.fragments import VLLMFragments
 from nnsight.util import apply
 
 from envoykit.errors import InvalidRequest, ShardedValue
+from envoykit.vocab_parallel import VocabShard
 
 
 def envoys_map() -> dict:
@@ -173,6 +174,36 @@ class UnembedEnvoy(ParallelEnvoy):
 
         module = unembedding_module(self.root._module)
         return VocabParallelEmbedding.forward(module, token_ids)
+
+    def vocab_shard(self) -> VocabShard:
+        """This rank's slice of the unembedding, for reductions that need no whole logits.
+
+        The slice's logits come from the model's own logits processor without its gather
+        (quant method, soft-cap and logit scale applied as for sampling); the rank's padding
+        columns, past its last real token, are cut off. The exchange is the tensor-parallel
+        group's all-gather, on whatever device and backend the engine uses.
+        """
+        from vllm.distributed import get_tp_group
+
+        root = self.root._module
+        module = unembedding_module(root)
+        indices = module.shard_indices
+        size = indices.num_org_elements
+        group = get_tp_group()
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            return root.logits_processor(module, hidden, skip_gather=True)[..., :size]
+
+        def gather(value: torch.Tensor) -> torch.Tensor:
+            value = value.unsqueeze(0).contiguous()
+            if group.world_size == 1:
+                return value
+            # A gather only copies bytes: float64, which the CPU backend's shared-memory
+            # gather lacks, travels as the float32 words of the same bytes.
+            words = value.view(torch.float32) if value.dtype == torch.float64 else value
+            return group.all_gather(words, dim=0).view(value.dtype)
+
+        return VocabShard(logits, indices.org_vocab_start_index, size, gather)
 
 
 def unembedding_module(root: torch.nn.Module) -> torch.nn.Module:

@@ -4,8 +4,8 @@ A lens row is a (layer, site) pair. Sites (see `envoykit.readout` for where they
 
 * ``resid`` — the residual stream after the layer: its ``(hidden, residual)`` pair goes
   through the model's final norm the way vLLM computes its own last step (the fused
-  add-norm), so the last layer's lens equals the model's logits exactly, in bfloat16 as in
-  float32;
+  add-norm), so the last layer's lens is the model's own next-token distribution (to float32
+  rounding), in bfloat16 as in float32;
 * ``resid_mid`` — the stream between the attention and the MLP block, normalised the same
   way from the MLP pre-norm's ``(attn_out, resid_pre)`` inputs;
 * ``attn`` / ``mlp`` — what one block writes into the stream, **on its own**: the lone vector
@@ -14,10 +14,11 @@ A lens row is a (layer, site) pair. Sites (see `envoykit.readout` for where they
   final logits; `envoykit.attribution` measures that, with the final stream's scale frozen.
 
 All rows are stacked into one ``[rows * positions, d_model]`` matrix and unembedded in one
-call (one GEMM, one vocab all-gather), chunked only when the full-vocab logits would pass a
-memory budget. Every rank then reduces the logits alike — top-k, target probability and rank,
-entropy, KL to the final layer — and only those ``O(rows * positions * k)`` numbers are saved;
-the full-vocab tensor never leaves the ranks.
+call per rank (one GEMM on the rank's own slice of the vocabulary), chunked only when that
+slice's logits would pass a memory budget. Each rank reduces its slice — top-k, target
+probability and rank, entropy, KL to the final layer — and the ranks combine a few numbers
+per cell (`envoykit.vocab_parallel`); only those ``O(rows * positions * k)`` numbers are
+saved. Full-vocabulary logits are never gathered, let alone sent back.
 """
 
 from __future__ import annotations
@@ -29,50 +30,68 @@ from typing import Any
 import numpy as np
 import torch
 
+from envoykit import vocab_parallel
 from envoykit.patching import Write, walk_layers, writes_by_layer
 from envoykit.readout import Readout, at
 from envoykit.request import SITES, LensRequest, Row
 from envoykit.result import LensResult
 from envoykit.translators import translated
+from envoykit.vocab_parallel import VocabShard
 
-# Full-vocab float32 logits (and their log-softmax) per unembedding call stay under this.
+# A rank's slice of the float32 logits (and what is computed from them) per unembedding call
+# stays under this.
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
 
 
 def lens_statistics(
     norm: Any,
-    head: Any,
+    shard: VocabShard,
     streams: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
     positions: torch.Tensor | None,
     top_k: int,
     targets: Sequence[int],
-    vocab: int,
     dtype: torch.dtype = torch.float32,
     budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> dict[str, torch.Tensor]:
     """Reduce the lens of ``streams`` (one ``(hidden, residual)`` per row) on this rank.
 
     A row without a residual is a lone vector, normalised by itself. The last stream is the
-    final layer: KL is measured against its distribution. Returns CPU
-    tensors: ``top_ids``/``top_probs`` ``[layers, positions, k]``, ``entropy``/``kl``
-    ``[layers, positions]``, ``target_probs``/``target_ranks`` ``[layers, positions, targets]``
-    (rank 0 = the most likely token).
+    final layer: KL is measured against its distribution. Each rank reduces only its own
+    slice of the vocabulary (``shard``, see `vocab_parallel`) and the ranks combine small
+    per-cell summaries, so every rank returns the same statistics of the whole vocabulary.
+    Returns CPU tensors: ``top_ids``/``top_probs`` ``[layers, positions, k]``,
+    ``entropy``/``kl`` ``[layers, positions]``, ``target_probs``/``target_ranks``
+    ``[layers, positions, targets]`` (rank 0 = the most likely token).
     """
     rows = [final_norm(norm, hidden, residual) for hidden, residual in streams]
     if positions is not None:
         rows = [row[positions] for row in rows]
     n_pos = rows[0].shape[0]
-    per_call = layers_per_call(n_pos, vocab, budget)
+    per_call = layers_per_call(n_pos, shard.size, budget)
     # The final layer's chunk goes first: every chunk needs its distribution for KL.
     chunks = [rows[max(0, end - per_call) : end] for end in range(len(rows), 0, -per_call)]
     final_logp = None
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
-        logits = head(torch.cat(chunk, dim=0)).to(dtype)
-        logp = torch.log_softmax(logits, dim=-1).unflatten(0, (len(chunk), n_pos))
+        logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
+        log_norm, top_logp, top_ids, target_logp = vocab_parallel.summaries(
+            shard, logits, top_k, targets
+        )
+        logp = logits.sub_(log_norm.unsqueeze(-1))  # this rank's slice of the log-probs
         if final_logp is None:
-            final_logp = logp[-1]
-        pieces.append(_reduce(logp, final_logp, top_k, targets))
+            final_logp = logp[-1].clone()
+        entropy, kl, ranks = vocab_parallel.sums(shard, logp, final_logp, target_logp)
+        # 32-bit throughout: what crosses to the client is 4 bytes per number.
+        pieces.append(
+            {
+                "top_ids": top_ids.int().cpu(),
+                "top_probs": top_logp.exp().float().cpu(),
+                "entropy": entropy.float().cpu(),
+                "kl": kl.float().cpu(),
+                "target_probs": target_logp.exp().float().cpu(),
+                "target_ranks": ranks.int().cpu(),
+            }
+        )
     pieces.reverse()
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
 
@@ -89,38 +108,9 @@ def final_norm(norm: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -
     return norm(hidden.clone(), residual.clone())[0]
 
 
-def _reduce(
-    logp: torch.Tensor, final_logp: torch.Tensor, top_k: int, targets: Sequence[int]
-) -> dict[str, torch.Tensor]:
-    """Top-k, entropy, KL(final || layer) and target statistics of ``[layers, pos, vocab]``."""
-    top_logp, top_ids = logp.topk(top_k, dim=-1)
-    ids = torch.tensor(list(targets), dtype=torch.long)
-    target_logp = logp[..., ids]
-    # A target's rank counts the tokens strictly more likely than it (0 = the most likely).
-    ranks = [
-        (logp > target_logp[..., i : i + 1]).sum(-1, dtype=torch.int32) for i in range(len(ids))
-    ]
-    # Entropy and KL in their elementwise form, summed by torch's cascade sum (a BLAS dot
-    # product over 49k terms lost 6e-4 nats; a difference of two dot products would also
-    # cancel when a layer is close to the final one), in one reused buffer: a fresh
-    # full-vocab tensor costs as much to fault in as to compute.
-    scratch = logp.exp().mul_(logp)
-    entropy = -scratch.sum(-1)
-    kl = torch.sub(final_logp, logp, out=scratch).mul_(final_logp.exp()).sum(-1).clamp_min(0.0)
-    shape = (*logp.shape[:2], 0)
-    # 32-bit throughout: what crosses to the client is 4 bytes per number.
-    return {
-        "top_ids": top_ids.int().cpu(),
-        "top_probs": top_logp.exp().float().cpu(),
-        "entropy": entropy.float().cpu(),
-        "kl": kl.float().cpu(),
-        "target_probs": target_logp.exp().float().cpu(),
-        "target_ranks": (torch.stack(ranks, -1) if ranks else torch.zeros(shape)).int().cpu(),
-    }
-
-
 def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
-    """Layers per unembedding call so their logits, log-probs and probs fit ``budget`` bytes."""
+    """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice), and
+    the two temporaries of their size the reductions make, fit ``budget`` bytes."""
     return max(1, math.floor(budget / max(1, n_pos * vocab * 4 * 3)))
 
 
@@ -156,12 +146,12 @@ def run(
     prenorm = readout.mlp_prenorm
     positions = None if request.positions is None else torch.tensor(request.positions)
     target_ids = [t.token_id for t in request.targets]
-    vocab = meta["vocab"]
     reduce_dtype = getattr(torch, request.reduce_dtype)
     top_k, steps_wanted = request.top_k, request.generate + 1
     with model.trace(temperature=0.0, max_tokens=steps_wanted) as tracer:
         for prompt in request.prompts:
             with tracer.invoke(prompt):
+                shard = head.vocab_shard()
                 steps = nnsight.save([])
                 samples = nnsight.save([])
                 for step in tracer.iter[:steps_wanted]:
@@ -172,12 +162,11 @@ def run(
                     steps.append(
                         lens_statistics(
                             norm,
-                            head,
+                            shard,
                             streams,
                             positions if step == 0 else None,
                             top_k,
                             target_ids,
-                            vocab,
                             reduce_dtype,
                             budget,
                         )

@@ -4,16 +4,20 @@ What runs on every rank (`envoykit.lens.lens_statistics`) is plain torch once it
 norm, a head and the per-layer streams: here the norm is a fused add-norm in miniature that
 writes its sum into its input, as vLLM's may, and the head a bias-free linear layer. The
 reference shares no code with envoykit: probabilities from ``softmax``, entropy and KL from
-``torch.distributions``, top-k and ranks from a full sort.
+``torch.distributions``, top-k and ranks from a full sort. Split across ranks, the head's
+vocabulary is cut into uneven slices, one per thread, and the threads exchange their
+summaries through a barrier as the ranks' all-gather would.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from envoykit import lens
+from envoykit import lens, vocab_parallel
 
 D_MODEL, VOCAB, N_POS, TOP_K = 16, 37, 6, 5
 TARGETS = [3, 11, 36]
@@ -72,16 +76,55 @@ def statistics(
     dtype=torch.float32,
     budget=None,
     head=None,
+    shard=None,
 ):
     """The one call of `lens_statistics` every test goes through, as a rank makes it:
-    ``(norm, head, streams, positions, top_k, targets, vocab, dtype, budget=...)``;
-    ``budget=None`` leaves the default (no chunking at these sizes)."""
+    ``(norm, shard, streams, positions, top_k, targets, dtype, budget=...)``; the shard is
+    the whole of ``head`` unless given; ``budget=None`` leaves the default (no chunking at
+    these sizes)."""
     head = head if head is not None else CountingHead()
+    shard = shard if shard is not None else vocab_parallel.whole(head, VOCAB)
     kwargs = {} if budget is None else {"budget": budget}
     with torch.no_grad():
         return lens.lens_statistics(
-            ToyAddNorm(), head, streams, positions, top_k, targets, VOCAB, dtype, **kwargs
+            ToyAddNorm(), shard, streams, positions, top_k, targets, dtype, **kwargs
         )
+
+
+def on_ranks(n_ranks: int, **kwargs) -> list[dict[str, torch.Tensor]]:
+    """`statistics` on ``n_ranks`` threads, each holding one uneven slice of the head's
+    vocabulary; every thread's result."""
+    head = CountingHead()
+    bounds = [round(VOCAB * r / n_ranks) + (r > 0) for r in range(n_ranks)] + [VOCAB]
+    board: list = [None] * n_ranks
+    barrier = threading.Barrier(n_ranks, timeout=30)
+
+    def shard(rank: int) -> vocab_parallel.VocabShard:
+        start, end = bounds[rank], bounds[rank + 1]
+
+        def gather(value: torch.Tensor) -> torch.Tensor:
+            board[rank] = value
+            barrier.wait()
+            every = torch.stack(board)
+            barrier.wait()  # all have read before anyone writes the next exchange
+            return every
+
+        return vocab_parallel.VocabShard(
+            lambda x: head(x)[..., start:end], start, end - start, gather
+        )
+
+    results: list = [None] * n_ranks
+
+    def rank_main(rank: int) -> None:
+        results[rank] = statistics(shard=shard(rank), **kwargs)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n_ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(result is not None for result in results), "a rank failed"
+    return results
 
 
 def reference(streams, positions=None, top_k=TOP_K, targets=TARGETS) -> dict[str, torch.Tensor]:
@@ -147,6 +190,29 @@ class TestAgainstDirectComputation:
         statistics(streams)
         for (h, r), (h0, r0) in zip(streams, before):
             assert torch.equal(h, h0) and (r is None or torch.equal(r, r0))
+
+
+class TestSplitVocabulary:
+    """Ranks holding slices of the vocabulary agree on the whole vocabulary's statistics."""
+
+    @pytest.mark.parametrize("n_ranks", [2, 3])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+    def test_every_rank_matches_the_reference(self, n_ranks, dtype):
+        streams, positions = toy_streams(), torch.tensor([0, 3, 5])
+        want = reference(streams, positions)
+        for got in on_ranks(n_ranks, streams=streams, positions=positions, dtype=dtype):
+            assert_matches(got, want, 2e-5)
+
+    def test_chunked_on_ranks(self):
+        streams = toy_streams(6)
+        for got in on_ranks(3, streams=streams, budget=1):
+            assert_matches(got, reference(streams), 2e-5)
+
+    def test_top_k_larger_than_a_slice(self):
+        """Each rank holds 12-13 tokens; the top 20 come from every rank's candidates."""
+        streams = toy_streams()
+        for got in on_ranks(3, streams=streams, top_k=20):
+            assert_matches(got, reference(streams, top_k=20), 2e-5)
 
 
 class TestChunking:

@@ -1,0 +1,104 @@
+"""Statistics of a distribution whose vocabulary is split across ranks, from small messages.
+
+At TP=N the unembedding's weight is split by vocabulary, so each rank computes the logits of
+its own slice of tokens. Gathering the whole ``[cells, vocab]`` logits onto every rank (what
+the model's logits processor does for sampling) and reducing them there makes every rank
+repeat the whole reduction, N times the work, after moving N-1 slices of full-vocabulary
+logits between them; on ranks that share cores that was most of a lens's time. Here each
+rank summarises its own slice per cell (its log-normaliser, its top-k, the targets it holds),
+the ranks exchange those summaries (a few numbers per cell), and each rank then sums its
+slice's share of entropy, KL and the targets' ranks, exchanged the same way. Every rank ends
+with the same statistics of the whole vocabulary, each computed with the elementwise formula
+a single rank would use, summed over its slice and then over the ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice of the vocabulary, and how to reach the other ranks' slices.
+
+    ``logits`` maps hidden states ``[n, d_model]`` to this slice's logits ``[n, size]`` (the
+    model's own soft-cap and scale applied, no padding); ``start`` is the token id of its
+    first column; ``gather`` returns ``[ranks, *t.shape]``, every rank's ``t`` in rank order,
+    the same on every rank (a collective: every rank must call it, in the same order).
+    """
+
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    start: int
+    size: int
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
+def whole(head: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> VocabShard:
+    """One rank holding the whole vocabulary of ``head``."""
+    return VocabShard(logits=head, start=0, size=vocab, gather=lambda t: t.unsqueeze(0))
+
+
+def summaries(
+    shard: VocabShard, logits: torch.Tensor, top_k: int, targets: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole vocabulary's log-normaliser ``[...]``, top-k log-probs and token ids
+    ``[..., k]`` and the targets' log-probs ``[..., targets]``, from this slice's ``logits``
+    ``[..., size]`` and one exchange.
+
+    Each rank sends its slice's log-sum-exp, its own top-k (values and ids, so the whole
+    top-k is among the ranks' candidates) and the logits of the targets it holds (zero for
+    the others: each token is held by exactly one rank).
+    """
+    values, ids = logits.topk(min(top_k, shard.size), dim=-1)
+    if values.shape[-1] < top_k:  # a slice smaller than k: every rank sends k candidates
+        short = (*values.shape[:-1], top_k - values.shape[-1])
+        values = torch.cat([values, values.new_full(short, -torch.inf)], dim=-1)
+        ids = torch.cat([ids, ids.new_zeros(short)], dim=-1)
+    held = torch.zeros(*logits.shape[:-1], len(targets), dtype=logits.dtype)
+    for i, token in enumerate(targets):
+        if shard.start <= token < shard.start + shard.size:
+            held[..., i] = logits[..., token - shard.start]
+    message = torch.cat(
+        [
+            torch.logsumexp(logits, dim=-1, keepdim=True),
+            values,
+            (ids + shard.start).to(logits.dtype),  # exact: ids < 2**24
+            held,
+        ],
+        dim=-1,
+    )
+    every = shard.gather(message)
+    log_norm = torch.logsumexp(every[..., 0], dim=0)
+    candidates = every[..., 1 : 1 + top_k].movedim(0, -2).flatten(-2)
+    candidate_ids = every[..., 1 + top_k : 1 + 2 * top_k].movedim(0, -2).flatten(-2)
+    top_values, picked = candidates.topk(top_k, dim=-1)
+    top_ids = candidate_ids.gather(-1, picked).long()
+    target_logits = every[..., 1 + 2 * top_k :].sum(0)
+    shift = log_norm.unsqueeze(-1)
+    return log_norm, top_values - shift, top_ids, target_logits - shift
+
+
+def sums(
+    shard: VocabShard, logp: torch.Tensor, final_logp: torch.Tensor, target_logp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy ``[...]``, KL(final || layer) ``[...]`` and the targets' ranks
+    ``[..., targets]`` (the tokens strictly more likely, 0 = the most likely) over the whole
+    vocabulary, from this slice's log-probs ``logp`` ``[..., size]`` and one exchange.
+
+    Entropy and KL in their elementwise form, summed by torch's cascade sum (a BLAS dot
+    product over 49k terms lost 6e-4 nats; a difference of two dot products would also
+    cancel when a layer is close to the final one), in one reused buffer: a fresh
+    full-vocab tensor costs as much to fault in as to compute.
+    """
+    scratch = logp.exp().mul_(logp)
+    entropy = -scratch.sum(-1)
+    kl = torch.sub(final_logp, logp, out=scratch).mul_(final_logp.exp()).sum(-1)
+    ranks = [
+        (logp > target_logp[..., i : i + 1]).sum(-1).to(logp.dtype)  # exact: counts < 2**24
+        for i in range(target_logp.shape[-1])
+    ]
+    total = shard.gather(torch.stack([entropy, kl, *ranks], dim=-1)).sum(0)
+    return total[..., 0], total[..., 1].clamp_min(0.0), total[..., 2:]

@@ -9,7 +9,9 @@ envoys it names (they travel by value, so the whole-tensor envoys are the ones t
 on the server's ranks, and its saved values come back into the caller's variables.
 
 The tree is built from the served checkpoint's own config and tokenizer files; when this
-machine does not have them at the server's path, the server sends them (no weights). Errors
+machine does not have them at the server's path, the server sends them (no weights). A tuned
+lens's translators go to the server once (`Connection._install_translator`), which checks and
+installs them on its ranks; lenses then name them by key, as in process. Errors
 come back as what they would be in-process: `ShardedValue`, `InvalidRequest`, an exception
 in trace code, and `EngineDead` when the server's engine dies; a server that cannot be
 reached, or that refuses the token, is a `ServerUnavailable` within the connect timeout.
@@ -26,7 +28,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 from nnsight.modeling.vllm.serve.backend import LocalServeBackend
@@ -34,8 +36,11 @@ from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 from envoykit import logs, models, platform, tokens
 from envoykit.engine import ModelInfo, _OnRank
 from envoykit.envoys import _RAISED_ON_RANKS, EnvoykitVLLM, ShardedEnvoy, sharded_paths
-from envoykit.errors import EngineDead, ServerUnavailable
+from envoykit.errors import EngineDead, InvalidRequest, ServerUnavailable
 from envoykit.surface import EngineSurface
+
+if TYPE_CHECKING:
+    from envoykit.tuned import TunedLens
 
 SERVER_ENV = "ENVOYKIT_SERVER"
 TOKEN_ENV = "ENVOYKIT_TOKEN"
@@ -128,6 +133,26 @@ class Connection(EngineSurface):
             self.model  # noqa: B018 - a closed connection refuses here
             yield
 
+    def _install_translator(self, translator: TunedLens) -> str:
+        """Have the server install ``translator`` on its ranks (`Engine._install_translator`
+        there): asked for by key first, sent (safetensors bytes) only when the ranks lack
+        it, and checked by the server against the served model; its key."""
+        from envoykit.tuned import TunedLens
+
+        if not isinstance(translator, TunedLens):
+            raise InvalidRequest(
+                f"translator takes an ek.TunedLens, not {type(translator).__name__}"
+            )
+        path = f"/v1/envoykit/translators/{translator.key}"
+        if not self._get(path)["installed"]:
+            self._request(
+                "POST",
+                path,
+                content=translator.to_file_bytes(),
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        return translator.key
+
     def generate(self, prompt: str, max_tokens: int = 16) -> str:
         """Greedy continuation of ``prompt``, generated on the server."""
         return self._greedy(prompt, max_tokens).text
@@ -204,6 +229,8 @@ class Connection(EngineSurface):
                 f"the server at {self.url} refused the token: pass the one it made (its file "
                 "under the cache directory's servers/), or set $ENVOYKIT_TOKEN"
             )
+        if response.status_code in (400, 422) and _detail(response).get("invalid_request"):
+            raise InvalidRequest(_detail(response).get("detail", ""))
         if response.status_code == 503:
             detail = _detail(response)
             if detail.get("engine_dead"):

@@ -31,7 +31,7 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envoykit import tokens
 from envoykit.engine import Engine
@@ -48,6 +48,9 @@ _DEATH_GRACE_SECONDS = 1.0
 _SHUTDOWN_GRACE_SECONDS = 5
 _MIN_TOKEN_LENGTH = 16
 
+if TYPE_CHECKING:
+    from envoykit.tuned import TunedLens
+
 logger = logging.getLogger("envoykit.server")
 
 
@@ -55,10 +58,51 @@ class ServedEngine(Engine):
     """An `Engine` in vLLM's async mode (``AsyncLLM``), for the server's event loop."""
 
     def __init__(self, model: str, tensor_parallel_size: int | None, **kwargs: Any) -> None:
+        self._fingerprint: dict | None = None
+        self._installing = asyncio.Lock()
         super().__init__(model, tensor_parallel_size, mode="async", **kwargs)
 
     def _announce(self) -> None:
         """Nothing: the server prints its own line once it listens, with its URL."""
+
+    def has_translator(self, key: str) -> bool:
+        """Whether the ranks hold the translators of this key (a restart forgets them)."""
+        return key in self._translators
+
+    async def install_translator(self, translator: TunedLens) -> str:
+        """`Engine._install_translator` on the event loop: ``translator`` checked against
+        this model (`TunedLens.check_fingerprint`), sent to every rank through the same
+        worker RPC, once per key; its key. An engine in async mode answers a trace and an
+        RPC by awaiting them, which the in-process path cannot."""
+        async with self._installing:
+            if translator.key not in self._translators:
+                translator.check_fingerprint(await self.fingerprint())
+                await self.model.vllm_entrypoint.collective_rpc(
+                    "envoykit_install_translators", args=(translator.key, translator.to_bytes())
+                )
+                self._translators.add(translator.key)
+        return translator.key
+
+    async def fingerprint(self) -> dict:
+        """`envoykit.tuned.fingerprint` of the served model, from one trace on the async
+        engine (built before its first await, as the server builds every trace); kept, as
+        the model is the same after a restart."""
+        import nnsight
+
+        from envoykit.readout import at
+        from envoykit.tuned import fingerprint_ids, fingerprint_of
+
+        if self._fingerprint is None:
+            info = self.info
+            ids = fingerprint_ids(info.vocab)
+            model, readout = self.model, self.readout
+            with model.trace("The", temperature=0.0, max_tokens=1) as tracer:
+                # Bound on the finished output only: an async trace's saves are not pushed
+                # back into this frame.
+                rows = nnsight.save(at(model, readout.unembedding).rows(ids).float().cpu())  # noqa: F841
+            finished = await tracer.backend
+            self._fingerprint = fingerprint_of(info, finished.saves["rows"])
+        return self._fingerprint
 
     def close(self) -> None:
         """Shut the async engine's client down (its output loop, its engine core), then

@@ -14,6 +14,13 @@ collects the saves; `install` extends that app in place rather than writing anot
   (config, tokenizer), from which a client on another machine builds its envoy tree.
 * ``GET /v1/envoykit/status``: vLLM requests in flight, and (``?workers=true``) the workers
   each rank still holds.
+* ``GET /v1/envoykit/translators/{key}``: whether the ranks hold a tuned lens's translators;
+  ``POST`` the same path with the lens as safetensors bytes (`TunedLens.to_file_bytes`: data,
+  no pickle) installs them: refused with 400 when the body is not a tuned lens or its hash is
+  not ``key``, with 422 when it belongs to another model (`TunedLens.check_fingerprint`
+  against the served model's own fingerprint), else sent to every rank once per key
+  (`envoykit.server.ServedEngine.install_translator`). A refusal says
+  ``"invalid_request": true``; the client raises it as `InvalidRequest`.
 * ``POST /v1/nnsight/generate``, replaced: nnsight's handler merges the saves of a trace's
   invokes with ``dict.update``, so a name each invoke saves (a lens of several prompts, a
   patch-sweep batch) came back with the last invoke's value only. This one collects each
@@ -192,11 +199,49 @@ def install(app: Any, token: str, state: ServerState) -> None:
             found["workers"] = list(await llm.collective_rpc("nnsight_request_count"))
         return found
 
+    @app.get("/v1/envoykit/translators/{key}")
+    async def translator(key: str) -> dict:
+        return {"key": key, "installed": state.engine.has_translator(key)}
+
+    @app.post("/v1/envoykit/translators/{key}")
+    async def install_translator(key: str, request: Request) -> Any:
+        return await install_translators(key, await request.body(), state)
+
     @app.post("/v1/nnsight/generate")
     async def generate(request: Request) -> Response:
         return await run_trace(await request.body(), request.headers, state)
 
     app.add_middleware(Guard, token=token, state=state)
+
+
+async def install_translators(key: str, body: bytes, state: ServerState) -> Any:
+    """Install the tuned lens in ``body`` on the ranks unless they hold ``key`` already;
+    ``{"key": key}``, or a refusal (400: not a tuned lens, or not the lens of ``key``; 422:
+    the lens of another model) the client raises as `InvalidRequest`."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from envoykit.errors import InvalidRequest
+    from envoykit.tuned import TunedLens
+
+    try:
+        lens = TunedLens.from_bytes(body)
+    except InvalidRequest as error:
+        return _refused(400, str(error))
+    if lens.key != key:
+        return _refused(400, f"the translators sent are those of key {lens.key}, not {key}")
+    try:
+        await state.engine.install_translator(lens)
+    except InvalidRequest as error:
+        return _refused(422, str(error))
+    except EngineDeadError:
+        detail = "the engine's processes died while installing translators"
+        return JSONResponse(status_code=503, content={"detail": detail, "engine_dead": True})
+    logger.info("tuned-lens translators %s installed on the ranks", key)
+    return {"key": key}
+
+
+def _refused(status: int, detail: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"detail": detail, "invalid_request": True})
 
 
 async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:

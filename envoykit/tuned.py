@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import load, load_file, save, save_file
 
 from envoykit.errors import InvalidRequest
 from envoykit.readout import at
@@ -184,6 +184,53 @@ class TunedLens:
         """The translators as safetensors bytes (what the ranks install)."""
         return save(self._tensors())
 
+    def to_file_bytes(self) -> bytes:
+        """What `save` writes, as bytes: the translators and, in the metadata, the model
+        (what a connection sends to a server)."""
+        return save(self._tensors(), metadata=self._metadata())
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> TunedLens:
+        """Read what `to_file_bytes` (or `save`) wrote; `InvalidRequest` unless it is a
+        tuned lens whose translators have the shapes of the model it names. Safetensors,
+        not pickle: reading it runs nothing."""
+        try:
+            tensors = load(bytes(blob))
+            meta = _safetensors_metadata(blob)
+            model = json.loads(meta["envoykit.model"])
+        except Exception as error:
+            raise InvalidRequest(
+                f"not a tuned lens saved by envoykit ({type(error).__name__}: {error})"
+            ) from error
+        return cls._from_tensors(tensors, model)
+
+    @classmethod
+    def _from_tensors(cls, tensors: dict[str, torch.Tensor], model: Any) -> TunedLens:
+        if not isinstance(model, dict) or not all(k in model for k in _IDENTITY):
+            raise InvalidRequest("not a tuned lens saved by envoykit: its model is not named")
+        n, d = model["n_layers"], model["d_model"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, d)):
+            raise InvalidRequest(f"not a tuned lens: n_layers {n!r}, d_model {d!r}")
+        expected = len(tensors) == 2 * n and {f"{k}.{i}" for i in range(n) for k in "Ab"}
+        if set(tensors) != expected:
+            raise InvalidRequest(
+                f"a tuned lens of {n} layers holds A.0..A.{n - 1} and b.0..b.{n - 1}, "
+                f"not {sorted(tensors)[:8]}"
+            )
+        for name, tensor in sorted(tensors.items()):
+            shape = (d, d) if name.startswith("A.") else (d,)
+            if tuple(tensor.shape) != shape or not tensor.is_floating_point():
+                raise InvalidRequest(
+                    f"translator {name} is {tuple(tensor.shape)} {tensor.dtype}, not a "
+                    f"floating-point {shape} (d_model {d})"
+                )
+        return cls(
+            {layer: (tensors[f"A.{layer}"], tensors[f"b.{layer}"]) for layer in range(n)}, model
+        )
+
+    def _metadata(self) -> dict[str, str]:
+        return {"envoykit.model": json.dumps(self.model)}
+
     def _tensors(self) -> dict[str, torch.Tensor]:
         tensors = {}
         for layer, (a, b) in self.weights.items():
@@ -194,7 +241,7 @@ class TunedLens:
         """``path`` (safetensors) holding the translators and, in its metadata, the model."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(self._tensors(), str(path), metadata={"envoykit.model": json.dumps(self.model)})
+        save_file(self._tensors(), str(path), metadata=self._metadata())
         return path
 
     @classmethod
@@ -223,12 +270,16 @@ class TunedLens:
 
     def check(self, engine: Any) -> None:
         """`InvalidRequest` naming both models unless these translators are ``engine``'s."""
+        self.check_fingerprint(fingerprint(engine))
+
+    def check_fingerprint(self, model: dict) -> None:
+        """`check` against a model's `fingerprint` (a server checks with its own)."""
         mine = {k: self.model.get(k) for k in _IDENTITY if k != "name"}
-        theirs = {k: v for k, v in fingerprint(engine).items() if k in mine}
+        theirs = {k: v for k, v in model.items() if k in mine}
         if mine != theirs:
             raise InvalidRequest(
                 f"these translators were trained on {self.model.get('name')!r} "
-                f"({_shape(self.model)}), not on the engine's {engine.info.name!r} "
+                f"({_shape(self.model)}), not on the engine's {model.get('name')!r} "
                 f"({_shape(theirs)}): train them on this model"
             )
 
@@ -351,10 +402,21 @@ def fingerprint(engine: Any) -> dict:
     import nnsight
 
     info = engine.info
-    ids = torch.linspace(0, info.vocab - 1, _FINGERPRINT_ROWS).long()
+    ids = fingerprint_ids(info.vocab)
     model, readout = engine.model, engine.readout
     with engine.exclusive(), model.trace("The", temperature=0.0, max_tokens=1):
         rows = nnsight.save(at(model, readout.unembedding).rows(ids).float().cpu())
+    return fingerprint_of(info, rows)
+
+
+def fingerprint_ids(vocab: int) -> torch.Tensor:
+    """The token ids whose unembedding rows `fingerprint` hashes."""
+    return torch.linspace(0, vocab - 1, _FINGERPRINT_ROWS).long()
+
+
+def fingerprint_of(info: Any, rows: torch.Tensor) -> dict:
+    """`fingerprint` of a model of `ModelInfo` ``info`` whose `fingerprint_ids` rows of the
+    unembedding are ``rows``."""
     digest = hashlib.sha256(rows.bfloat16().view(torch.int16).numpy().tobytes()).hexdigest()
     return {
         "name": info.name,
@@ -363,6 +425,16 @@ def fingerprint(engine: Any) -> dict:
         "vocab": info.vocab,
         "head_hash": digest,
     }
+
+
+def _safetensors_metadata(blob: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes: an 8-byte little-endian header length,
+    then the JSON header."""
+    size = int.from_bytes(blob[:8], "little")
+    if size > len(blob) - 8:
+        raise ValueError("header longer than the data")
+    header = json.loads(bytes(blob[8 : 8 + size]))
+    return dict(header.get("__metadata__") or {})
 
 
 def offline_texts() -> tuple[list[str], list[str]]:

@@ -3,7 +3,8 @@
 One server (``tiny``, TP=2) serves the module; the last test stops it with SIGTERM. Two more
 start for the faults that end an engine: a rank killed under a server (which exits), and
 under one started with ``--restart`` (which restarts, and is then killed outright). Results
-are compared with the in-process engine of the same model and TP size.
+are compared with the in-process engine of the same model and TP size, the tuned lens among
+them (translators installed through the server once, checked against its model).
 """
 
 from __future__ import annotations
@@ -242,6 +243,146 @@ def test_explorer_on_a_connection(client, tiny2):
     remote, local = data
     assert remote["vocab"] == local["vocab"] and remote["top_ids"] == local["top_ids"]
     np.testing.assert_allclose(remote["top_probs"], local["top_probs"], atol=1e-6)
+
+
+# -- the tuned lens through a connection ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny2):
+    """Translators of tiny built deterministically (no training): small seeded A and b."""
+    import torch
+
+    from envoykit.tuned import fingerprint
+
+    generator = torch.Generator().manual_seed(0)
+    n, d = tiny2.info.n_layers, tiny2.info.d_model
+    weights = {
+        layer: (
+            0.05 * torch.randn(d, d, generator=generator),
+            0.1 * torch.randn(d, generator=generator),
+        )
+        for layer in range(n)
+    }
+    return ek.TunedLens(weights, fingerprint(tiny2))
+
+
+def translator_posts(client, monkeypatch) -> list[str]:
+    """The paths of the translator installs the client sends from now on."""
+    sent: list[str] = []
+    request = client._request
+
+    def spy(method: str, path: str, **kwargs):
+        if method == "POST" and path.startswith("/v1/envoykit/translators/"):
+            sent.append(path)
+        return request(method, path, **kwargs)
+
+    monkeypatch.setattr(client, "_request", spy)
+    return sent
+
+
+def test_tuned_lens_equals_in_process_and_is_sent_once(server, client, tiny2, tuned, monkeypatch):
+    """The server checks and installs the translators once; the tuned lens through it is
+    the in-process tuned lens (1e-6, as every lens here), and a second lens sends nothing."""
+    sent = translator_posts(client, monkeypatch)
+    cases = [
+        dict(prompt=PROMPT, targets=[" Paris"], top_k=5),
+        dict(prompt=[PROMPT, "Hello world"], layers=["embed", "all"], generate=2, top_k=3),
+    ]
+    results = []
+    for case in cases:
+        remote, local = client.lens(**case, translator=tuned), tiny2.lens(**case, translator=tuned)
+        for a, b in zip(np.atleast_1d(remote), np.atleast_1d(local)):
+            assert a.meta["lens"] == "tuned" and a.meta["translator"] == tuned.key
+            assert_same_lens(a, b)
+        results.append(remote)
+    assert sent == [f"/v1/envoykit/translators/{tuned.key}"]  # once, for both lenses
+    plain = client.lens(**cases[0])
+    assert not np.allclose(plain.kl[:-1], results[0].kl[:-1])  # the translators did apply
+    np.testing.assert_array_equal(plain.kl[-1], results[0].kl[-1])  # the last layer is exact
+    with httpx.Client(base_url=server.url, headers={"ndif-api-key": server.token()}) as http:
+        path = f"/v1/envoykit/translators/{tuned.key}"
+        assert http.get(path, timeout=30).json() == {"key": tuned.key, "installed": True}
+        assert http.post(path, content=tuned.to_file_bytes(), timeout=30).json() == {
+            "key": tuned.key
+        }
+        assert http.get(path, headers={"ndif-api-key": "wrong"}).status_code == 401
+        assert http.post(path, content=b"x", headers={"ndif-api-key": "wrong"}).status_code == 401
+
+
+def test_tuned_lens_refusals_through_the_server(server, client, tuned):
+    """Another model's translators: `InvalidRequest` naming both, as in process; a body that
+    is not a tuned lens (or not the lens of its key): 400; the server serves on."""
+    other = ek.TunedLens(tuned.weights, {**tuned.model, "name": "demo", "head_hash": "0" * 64})
+    with pytest.raises(ek.InvalidRequest, match=r"trained on 'demo'.*not on the engine's 'tiny'"):
+        client.lens(PROMPT, translator=other)
+    with pytest.raises(ek.InvalidRequest, match=r"takes an ek\.TunedLens"):
+        client.lens(PROMPT, translator="lens.safetensors")
+    with pytest.raises(ek.InvalidRequest, match="residual stream"):
+        client.lens(PROMPT, sites=["attn"], translator=tuned)
+    import torch
+
+    half = ek.TunedLens({0: tuned.weights[0]}, tuned.model)  # one layer of four
+    wide = ek.TunedLens(
+        {layer: (torch.zeros(8, 8), torch.zeros(8)) for layer in tuned.weights}, tuned.model
+    )
+    bodies = {
+        "empty": (b"", "not a tuned lens"),
+        "text": (b"not safetensors", "not a tuned lens"),
+        "pickle": (b"\x80\x04K\x01.", "not a tuned lens"),
+        "no model": (tuned.to_bytes(), "not a tuned lens"),
+        "one layer": (half.to_file_bytes(), "A.0..A.3"),
+        "shapes": (wide.to_file_bytes(), "not a floating-point (128, 128)"),
+        "other key": (other.to_file_bytes(), f"key {other.key}, not {tuned.key[::-1]}"),
+    }
+    with httpx.Client(base_url=server.url, headers={"ndif-api-key": server.token()}) as http:
+        for name, (body, message) in bodies.items():
+            path = f"/v1/envoykit/translators/{tuned.key[::-1]}"  # a key nothing has
+            response = http.post(path, content=body, timeout=30)
+            assert response.status_code == 400, (name, response.text)
+            assert response.json()["invalid_request"] is True
+            assert message in response.json()["detail"], (name, response.text)
+        path = f"/v1/envoykit/translators/{other.key}"
+        response = http.post(path, content=other.to_file_bytes(), timeout=30)
+        assert response.status_code == 422 and "trained on 'demo'" in response.json()["detail"]
+        assert http.get(path, timeout=30).json()["installed"] is False
+    assert client.lens(PROMPT, translator=tuned).meta["lens"] == "tuned"
+
+
+def test_train_evaluate_check_load_and_explorer_through_the_server(client, tiny2, tmp_path):
+    """`TunedLens.train`, `evaluate`, `check`, `load` and `LensExplorer(translator=...)` take
+    a connection as they take an engine, and give what they give in process."""
+    from envoykit.tuned import fingerprint, offline_texts
+
+    texts, held_out = offline_texts()
+    kwargs = dict(steps=2, batch_tokens=128, progress=False)
+    remote = ek.TunedLens.train(client, texts, **kwargs)
+    local = ek.TunedLens.train(tiny2, texts, **kwargs)
+    assert remote.model == local.model and fingerprint(client) == fingerprint(tiny2)
+    for layer, (a, b) in local.weights.items():
+        np.testing.assert_allclose(remote.weights[layer][0], a, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(remote.weights[layer][1], b, rtol=0, atol=1e-5)
+    remote.check(client)
+    assert ek.TunedLens.load(remote.save(tmp_path / "tiny.safetensors"), client).key == remote.key
+    text = held_out[0][:600]
+    quality = {
+        name: local.evaluate(engine, [text])
+        for name, engine in (("remote", client), ("local", tiny2))
+    }
+    assert quality["remote"].tokens == quality["local"].tokens > 8
+    for name in ("logit_kl", "tuned_kl"):
+        np.testing.assert_allclose(
+            getattr(quality["remote"], name), getattr(quality["local"], name), rtol=0, atol=1e-5
+        )
+    data = []
+    for engine in (client, tiny2):
+        explorer = ek.LensExplorer(engine, prompt=PROMPT, top_k=5, translator=local)
+        explorer.lens_kind.value = "tuned"
+        assert explorer.run().meta["lens"] == "tuned"
+        data.append(explorer.heatmap.data)
+    remote_data, local_data = data
+    assert remote_data["top_ids"] == local_data["top_ids"]
+    np.testing.assert_allclose(remote_data["top_probs"], local_data["top_probs"], atol=1e-6)
 
 
 def test_a_client_without_the_checkpoint_gets_its_files(server, client, tmp_path, monkeypatch):

@@ -14,12 +14,14 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
+from envoykit import janitor as _janitor
+from envoykit.janitor import SHM
+
 if TYPE_CHECKING:
     import psutil
 
     from envoykit.janitor import Janitor
 
-SHM = "/dev/shm"
 # Python's SharedMemory names its segments so (multiprocessing.shared_memory); only those are
 # registered with a resource tracker.
 _PYTHON_SEGMENT_PREFIX = "psm_"
@@ -39,21 +41,9 @@ def descendants() -> set[psutil.Process]:
 
 
 def mapped_segments(processes: set[psutil.Process]) -> set[str]:
-    """Shared-memory segments the engine's own processes have mapped.
-
-    Asked of the processes rather than read off a before/after listing of /dev/shm, which
-    would also catch the segments of an engine another kernel started at the same time.
-    Semaphores (``sem.*``) are left out: a process maps those its parent made too.
-    """
-    found = set()
-    for process in processes:
-        with contextlib.suppress(OSError), open(f"/proc/{process.pid}/maps") as maps:
-            for line in maps:
-                path = line.split(maxsplit=5)[-1].strip()
-                name = os.path.basename(path)
-                if path.startswith(f"{SHM}/") and not name.startswith("sem."):
-                    found.add(name)
-    return found
+    """Names of the shared-memory segments the processes have mapped (see
+    `envoykit.janitor.mapped_segments`)."""
+    return {os.path.basename(path) for path in _janitor.mapped_segments([p.pid for p in processes])}
 
 
 def shutdown(llm: Any, processes: set[psutil.Process], janitor: Janitor, scratch: str) -> None:

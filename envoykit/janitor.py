@@ -9,12 +9,17 @@ waits on a pipe from the owner; when the pipe closes (``close()``, or the owner'
 waits for the engine's processes to exit, kills what outlives the grace period, and removes
 the segments they had mapped and the engine's temporary directory. It runs as a plain
 script (no package import) so it costs a Python start-up and nothing more.
+
+While it waits it looks at the segments the processes have mapped every second, and once
+more when the pipe closes: a segment made after the start (and left by a process that exits
+without finalizing it, see `envoykit.lifeline`) is removed too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -22,6 +27,8 @@ import sys
 import time
 
 _GRACE_SECONDS = 15.0
+_LOOK_EVERY_SECONDS = 1.0
+SHM = "/dev/shm"
 
 
 class Janitor:
@@ -46,6 +53,23 @@ class Janitor:
             os.close(self._write)
             self._write = None
             self._process.wait(timeout=_GRACE_SECONDS + 5)
+
+
+def mapped_segments(pids: list[int]) -> set[str]:
+    """Shared-memory segments the processes ``pids`` have mapped, as paths.
+
+    Asked of the processes rather than read off a before/after listing of /dev/shm, which
+    would also catch the segments of an engine another kernel started at the same time.
+    Semaphores (``sem.*``) are left out: a process maps those its parent made too.
+    """
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if path.startswith(f"{SHM}/") and not os.path.basename(path).startswith("sem."):
+                    found.add(path)
+    return found
 
 
 def _start_time(pid: int) -> str | None:
@@ -98,8 +122,20 @@ def main(argv: list[str]) -> None:
     # interrupt, a terminate, a hang-up) arriving here too would end it before it cleans up.
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(number, signal.SIG_IGN)
-    sys.stdin.buffer.read()  # returns at end of file: the owner closed the engine, or died
-    clean_up(started, paths, _GRACE_SECONDS)
+    segments = watch_until_released(sys.stdin.fileno(), pids)
+    clean_up(started, [*paths, *sorted(segments - set(paths))], _GRACE_SECONDS)
+
+
+def watch_until_released(pipe: int, pids: list[int]) -> set[str]:
+    """Wait for end of file on ``pipe`` (the owner closed the engine, or died), looking at
+    the segments ``pids`` have mapped every second meanwhile and once more at the end; all
+    those seen."""
+    seen: set[str] = set()
+    while True:
+        seen |= mapped_segments(pids)
+        readable, _, _ = select.select([pipe], [], [], _LOOK_EVERY_SECONDS)
+        if readable and not os.read(pipe, 4096):
+            return seen | mapped_segments(pids)
 
 
 if __name__ == "__main__":

@@ -253,6 +253,46 @@ def test_janitor_cleans_up_after_a_process_that_exits_just_before_its_kill(tmp_p
     assert not segment.exists() and not scratch.exists()
 
 
+SEGMENT_MAKER = """
+import time
+from multiprocessing import resource_tracker, shared_memory
+time.sleep(1.5)  # after the janitor's first look
+segment = shared_memory.SharedMemory(create=True, size=4096)
+resource_tracker.unregister(segment._name, "shared_memory")  # left to whoever cleans up
+print(segment.name, flush=True)
+time.sleep(60)
+"""
+
+
+def test_janitor_sees_a_segment_made_after_start_by_a_process_gone_before_the_owner():
+    """A segment made after the start, by a process that then dies without unlinking it
+    (as a process that skips finalizers at exit may), is among what the janitor removes:
+    it looked at the process's mapped segments while it was alive."""
+    from envoykit import janitor
+
+    maker = subprocess.Popen(
+        [sys.executable, "-c", SEGMENT_MAKER], stdout=subprocess.PIPE, text=True
+    )
+    read, write = os.pipe()
+    seen: dict = {}
+    watcher = threading.Thread(
+        target=lambda: seen.update(paths=janitor.watch_until_released(read, [maker.pid]))
+    )
+    watcher.start()
+    path = f"/dev/shm/{maker.stdout.readline().strip()}"
+    try:
+        time.sleep(2 * janitor._LOOK_EVERY_SECONDS)
+        maker.kill()
+        maker.wait()
+        os.close(write)  # the owner's end closes only now: the maker is long gone
+        watcher.join(10)
+        assert path in seen["paths"]
+    finally:
+        os.close(read)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def run_cell(client, code: str) -> str:
     """Run ``code`` in the kernel; its printed output, or fail with the kernel's error."""
     out: list[str] = []

@@ -59,23 +59,28 @@ def shutdown(llm: Any, processes: set[psutil.Process], janitor: Janitor, scratch
     janitor, which would do the same had this process been killed, is told the engine is
     closed and exits.
     """
-    import psutil
-
     at_start = {os.path.basename(p) for p in janitor.paths if os.path.dirname(p) == SHM}
     segments = at_start | mapped_segments(processes)
     entry = getattr(llm, "vllm_entrypoint", None)
     if entry is not None:
         with contextlib.suppress(Exception):  # a dead engine core has nothing left to stop
             entry.llm_engine.engine_core.shutdown()
-    _, alive = psutil.wait_procs(processes, timeout=10)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(alive, timeout=5)
+    stop(processes, grace=10)
     for name in sorted(segments):
         unlink_segment(name)
     shutil.rmtree(scratch, ignore_errors=True)
     janitor.release()
+
+
+def stop(processes: set[psutil.Process], grace: float = 0) -> None:
+    """Wait up to ``grace`` seconds for ``processes`` to exit, then kill what is left."""
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=grace)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
 def unlink_segment(name: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -27,6 +26,7 @@ from envoykit.cleanup import SHM as _SHM
 from envoykit.cleanup import descendants as _descendants
 from envoykit.cleanup import mapped_segments as _mapped_segments
 from envoykit.cleanup import shutdown as _shutdown
+from envoykit.cleanup import stop as _stop
 from envoykit.errors import EngineDead, InvalidRequest
 from envoykit.janitor import Janitor
 from envoykit.surface import EngineSurface
@@ -151,6 +151,7 @@ class Engine(EngineSurface):
     # -- lifetime -------------------------------------------------------------------------
 
     def _start(self) -> None:
+        import psutil
         from tqdm.auto import tqdm
 
         started = time.perf_counter()
@@ -164,16 +165,20 @@ class Engine(EngineSurface):
         # rendezvous file, which vLLM leaves behind) go to a directory of the engine's own,
         # removed with it. (mkdtemp also fixes this process's own temporary directory first.)
         scratch = tempfile.mkdtemp(prefix="envoykit-")
+        # Watching before the first process starts: an owner killed mid-start leaves nothing.
+        watcher = Janitor([scratch], existing=[p.pid for p in already_running])
+        not_the_engine = {*already_running, psutil.Process(watcher.pid)}
         try:
             llm = self._spawn(workers, env, scratch, steps)
         except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
+            _stop(_descendants() - not_the_engine)
+            watcher.release()  # it removes what the stopped processes had mapped
             raise
         self._llm = llm
-        processes = _descendants() - already_running
+        processes = _descendants() - not_the_engine
         self._processes = sorted(processes, key=lambda process: process.pid)
         segments = sorted(os.path.join(_SHM, name) for name in _mapped_segments(processes))
-        watcher = Janitor([p.pid for p in self._processes], [*segments, scratch])
+        watcher.watch([p.pid for p in self._processes], segments)
         self._finalizer = weakref.finalize(self, _shutdown, llm, processes, watcher, scratch)
         # Everything the engine runs, nnsight traces included, goes through one guard. Held
         # weakly: the engine must stay collectable (its finalizer closes the ranks).

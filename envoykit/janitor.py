@@ -10,14 +10,18 @@ waits for the engine's processes to exit, kills what outlives the grace period, 
 the segments they had mapped and the engine's temporary directory. It runs as a plain
 script (no package import) so it costs a Python start-up and nothing more.
 
-While it waits it looks at the segments the processes have mapped every second, and once
-more when the pipe closes: a segment made after the start (and left by a process that exits
-without finalizing it, see `envoykit.lifeline`) is removed too.
+It starts before the engine's processes do: an owner killed while its engine starts (a
+kernel restarted during a slow start) leaves as much behind as one killed later. Until the
+owner names the engine's processes (`Janitor.watch`), it adopts every new descendant of the
+owner. Every second, and once more when the pipe closes, it looks at the segments its
+processes have mapped, so a segment made after the start and left by a process that exits
+without finalizing it (see `envoykit.lifeline`) is removed too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import shutil
@@ -32,20 +36,31 @@ SHM = "/dev/shm"
 
 
 class Janitor:
-    """The owner's end of a janitor process watching ``pids``; it removes ``paths`` (files,
-    or directories with their contents) once they are gone."""
+    """The owner's end of a janitor process; it removes ``paths`` (files, or directories
+    with their contents) once the processes it watches are gone.
 
-    def __init__(self, pids: list[int], paths: list[str]) -> None:
+    ``existing``: the owner's descendants that are not the engine's (another engine's
+    processes, Python's resource tracker), never adopted.
+    """
+
+    def __init__(self, paths: list[str], existing: list[int]) -> None:
         self.paths = list(paths)
         read, self._write = os.pipe()
         self._process = subprocess.Popen(
-            [sys.executable, "-I", __file__, *map(str, pids), "--", *paths],
+            [sys.executable, "-I", __file__, str(os.getpid()), *map(str, existing), "--", *paths],
             stdin=read,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # out of reach of a signal to the owner's group
         )
         os.close(read)
+        self.pid = self._process.pid
+
+    def watch(self, pids: list[int], paths: list[str]) -> None:
+        """The engine has started: watch exactly ``pids`` from now on (no more adopting; a
+        later engine of the same owner is not this one), and remove ``paths`` too."""
+        self.paths += paths
+        os.write(self._write, (json.dumps({"pids": pids, "paths": paths}) + "\n").encode())
 
     def release(self) -> None:
         """Tell the janitor the engine is closed (it checks, finds nothing, exits); reap it."""
@@ -72,20 +87,40 @@ def mapped_segments(pids: list[int]) -> set[str]:
     return found
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (field 22 of /proc/PID/stat), None if it is gone or a zombie."""
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3 onwards of /proc/PID/stat (state, ppid, ...), None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+            return stat.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return None if fields[0] == "Z" else fields[19]
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/PID/stat), None if it is gone or a zombie."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] == "Z" else fields[19]
 
 
 def start_times(pids: list[int]) -> dict[int, str | None]:
     """Each process's start time now: a pid seen later with another start time (or none) is
     someone else's, or no one's."""
     return {pid: _start_time(pid) for pid in pids}
+
+
+def descendants(owner: int) -> set[int]:
+    """The live descendants of ``owner``, from /proc (this script imports nothing else)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(int(entry))) is not None and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, frontier = set(), [owner]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child not in found:
+                found.add(child)
+                frontier.append(child)
+    return found
 
 
 def clean_up(started: dict[int, str | None], paths: list[str], grace: float) -> None:
@@ -114,28 +149,76 @@ def clean_up(started: dict[int, str | None], paths: list[str], grace: float) -> 
                 os.unlink(path)
 
 
+class Watch:
+    """What the janitor watches: the engine's processes (adopted while the engine starts,
+    then named by the owner) and every segment they have been seen to map."""
+
+    def __init__(self, owner: int, existing: set[int]) -> None:
+        self.owner = owner
+        self.ignored = existing | {os.getpid()}
+        self.adopting = True
+        self.started: dict[int, str | None] = {}
+        self.paths: set[str] = set()
+
+    def look(self) -> None:
+        if self.adopting:
+            new = descendants(self.owner) - self.ignored - set(self.started)
+            for pid in new:
+                if _is_engine_process(pid):
+                    self.started[pid] = _start_time(pid)
+                else:
+                    self.ignored.add(pid)
+        self.paths |= mapped_segments(list(self.started))
+
+    def named(self, message: dict) -> None:
+        self.adopting = False
+        self.started = start_times(message["pids"])
+        self.paths |= set(message["paths"])
+
+
+def _is_engine_process(pid: int) -> bool:
+    """Not Python's resource tracker nor another engine's janitor, which the owner may start
+    meanwhile and which must outlive it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            args = cmdline.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    tracker = any(arg.startswith("from multiprocessing.resource_tracker import") for arg in args)
+    janitor = any(arg.endswith(os.path.join("envoykit", "janitor.py")) for arg in args)
+    return not tracker and not janitor
+
+
+def watch_until_released(pipe: int, watch: Watch) -> None:
+    """Look every second until end of file on ``pipe`` (the owner closed the engine, or
+    died), taking the owner's naming of the engine's processes on the way; look once more
+    at the end."""
+    pending = b""
+    while True:
+        watch.look()
+        readable, _, _ = select.select([pipe], [], [], _LOOK_EVERY_SECONDS)
+        if not readable:
+            continue
+        data = os.read(pipe, 65536)
+        if not data:
+            watch.look()
+            return
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            watch.named(json.loads(line))
+
+
 def main(argv: list[str]) -> None:
     split = argv.index("--")
-    pids, paths = [int(pid) for pid in argv[:split]], argv[split + 1 :]
-    started = start_times(pids)
+    owner, existing, paths = int(argv[0]), {int(p) for p in argv[1:split]}, argv[split + 1 :]
     # Only the pipe ends this process: a signal meant for the engine or its owner (an
     # interrupt, a terminate, a hang-up) arriving here too would end it before it cleans up.
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(number, signal.SIG_IGN)
-    segments = watch_until_released(sys.stdin.fileno(), pids)
-    clean_up(started, [*paths, *sorted(segments - set(paths))], _GRACE_SECONDS)
-
-
-def watch_until_released(pipe: int, pids: list[int]) -> set[str]:
-    """Wait for end of file on ``pipe`` (the owner closed the engine, or died), looking at
-    the segments ``pids`` have mapped every second meanwhile and once more at the end; all
-    those seen."""
-    seen: set[str] = set()
-    while True:
-        seen |= mapped_segments(pids)
-        readable, _, _ = select.select([pipe], [], [], _LOOK_EVERY_SECONDS)
-        if readable and not os.read(pipe, 4096):
-            return seen | mapped_segments(pids)
+    watch = Watch(owner, existing)
+    watch_until_released(sys.stdin.fileno(), watch)
+    clean_up(watch.started, [*paths, *sorted(watch.paths - set(paths))], _GRACE_SECONDS)
 
 
 if __name__ == "__main__":

@@ -249,7 +249,9 @@ async def _run(
         await serving
         return
     record = tokens.write_record(url, token, engine.info.name)
-    janitor = Janitor([], [str(record)])  # removes the record should this process be killed
+    # Removes the record should this process be killed (no process of its own to watch).
+    janitor = Janitor([str(record)], existing=[])
+    janitor.watch([], [])
     watch = asyncio.ensure_future(_watch(server, engine, state, restart))
     try:
         info = engine.info

@@ -254,13 +254,24 @@ def test_janitor_cleans_up_after_a_process_that_exits_just_before_its_kill(tmp_p
 
 
 SEGMENT_MAKER = """
-import time
+import sys, time
 from multiprocessing import resource_tracker, shared_memory
-time.sleep(1.5)  # after the janitor's first look
+time.sleep(float(sys.argv[1]))
 segment = shared_memory.SharedMemory(create=True, size=4096)
 resource_tracker.unregister(segment._name, "shared_memory")  # left to whoever cleans up
 print(segment.name, flush=True)
 time.sleep(60)
+"""
+
+STARTING_OWNER = """
+import subprocess, sys, tempfile, time
+from envoykit.janitor import Janitor
+if __name__ == "__main__":
+    scratch = tempfile.mkdtemp(prefix="envoykit-")
+    janitor = Janitor([scratch], existing=[])
+    maker = subprocess.Popen([sys.executable, "-c", sys.argv[1], "0"])
+    print(scratch, maker.pid, flush=True)
+    time.sleep(60)  # still starting when it is killed: the engine's processes never named
 """
 
 
@@ -271,13 +282,12 @@ def test_janitor_sees_a_segment_made_after_start_by_a_process_gone_before_the_ow
     from envoykit import janitor
 
     maker = subprocess.Popen(
-        [sys.executable, "-c", SEGMENT_MAKER], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SEGMENT_MAKER, "1.5"], stdout=subprocess.PIPE, text=True
     )
+    watch = janitor.Watch(os.getpid(), set())
+    watch.named({"pids": [maker.pid], "paths": []})
     read, write = os.pipe()
-    seen: dict = {}
-    watcher = threading.Thread(
-        target=lambda: seen.update(paths=janitor.watch_until_released(read, [maker.pid]))
-    )
+    watcher = threading.Thread(target=janitor.watch_until_released, args=(read, watch))
     watcher.start()
     path = f"/dev/shm/{maker.stdout.readline().strip()}"
     try:
@@ -286,9 +296,36 @@ def test_janitor_sees_a_segment_made_after_start_by_a_process_gone_before_the_ow
         maker.wait()
         os.close(write)  # the owner's end closes only now: the maker is long gone
         watcher.join(10)
-        assert path in seen["paths"]
+        assert path in watch.paths
     finally:
         os.close(read)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def test_owner_killed_while_its_engine_starts_leaves_nothing():
+    """The janitor runs before the engine's first process: it adopts the owner's new
+    processes, so an owner killed mid-start has their segments and its scratch removed."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", STARTING_OWNER, SEGMENT_MAKER],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    scratch, maker = owner.stdout.readline().split()
+    path = f"/dev/shm/{owner.stdout.readline().strip()}"
+    try:
+        time.sleep(2)  # the janitor has looked at the maker's segments
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        os.kill(int(maker), signal.SIGKILL)  # as the lifeline's parent-death signal would
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (os.path.exists(path) or os.path.exists(scratch)):
+            time.sleep(0.2)
+        assert not os.path.exists(path) and not os.path.exists(scratch)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(maker), signal.SIGKILL)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

@@ -7,8 +7,8 @@
 #                    under a minute. Tests that need an engine are marked `engine`, those
 #                    that load the demo model also `slow`; FAST_TESTS are the engine-free
 #                    places, and -m "not engine and not slow" keeps any marked test out.
-#                    A doctest cannot carry a mark: the modules whose examples start an
-#                    engine are left out by name (FAST_SKIP).
+#                    A doctest cannot carry a mark: no doctest starts an engine (an example
+#                    that would is marked +SKIP).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -20,7 +20,6 @@ PROMPT ?= The capital of France is
 TARGET ?= " Paris"
 
 FAST_TESTS := tests/unit tests/test_result.py envoykit
-FAST_SKIP := --ignore=envoykit/engine.py
 
 .PHONY: demo test test-fast lab lint browser env
 
@@ -49,7 +48,7 @@ test: $(INSTALLED) browser
 	$(VENV)/bin/pytest
 
 test-fast: $(INSTALLED)
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not engine and not slow" $(FAST_SKIP) $(FAST_TESTS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not engine and not slow" $(FAST_TESTS)
 
 lab: $(INSTALLED)
 	$(VENV)/bin/envoykit lab

@@ -98,9 +98,11 @@ class Engine(EngineSurface):
     """A tensor-parallel vLLM engine whose modules are nnsight envoys.
 
     >>> import envoykit as ek
-    >>> with ek.Engine("tiny", tensor_parallel_size=2, progress=False) as engine:
+    >>> with ek.Engine("tiny", tensor_parallel_size=2) as engine:  # doctest: +SKIP
     ...     engine.info.tp, engine.info.n_layers
     (2, 4)
+
+    (Not run as a doctest: a start costs tens of seconds, and the tests start this engine.)
     """
 
     def __init__(

@@ -74,10 +74,11 @@ def lens_statistics(
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
         logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
-        log_norm, top_logp, top_ids, target_logp = vocab_parallel.summaries(
+        largest, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
             shard, logits, top_k, targets
         )
-        logp = logits.sub_(log_norm.unsqueeze(-1))  # this rank's slice of the log-probs
+        # This rank's slice of the log-probs, in place: (logit - largest) - log_sum.
+        logp = logits.sub_(largest.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
         if final_logp is None:
             final_logp = logp[-1].clone()
         entropy, kl, ranks = vocab_parallel.sums(shard, logp, final_logp, target_logp)

@@ -11,6 +11,7 @@ summaries through a barrier as the ranks' all-gather would.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -91,10 +92,10 @@ def statistics(
         )
 
 
-def on_ranks(n_ranks: int, **kwargs) -> list[dict[str, torch.Tensor]]:
+def on_ranks(n_ranks: int, head=None, **kwargs) -> list[dict[str, torch.Tensor]]:
     """`statistics` on ``n_ranks`` threads, each holding one uneven slice of the head's
     vocabulary; every thread's result."""
-    head = CountingHead()
+    head = head if head is not None else CountingHead()
     bounds = [round(VOCAB * r / n_ranks) + (r > 0) for r in range(n_ranks)] + [VOCAB]
     board: list = [None] * n_ranks
     barrier = threading.Barrier(n_ranks, timeout=30)
@@ -127,9 +128,12 @@ def on_ranks(n_ranks: int, **kwargs) -> list[dict[str, torch.Tensor]]:
     return results
 
 
-def reference(streams, positions=None, top_k=TOP_K, targets=TARGETS) -> dict[str, torch.Tensor]:
-    """The same statistics computed directly in float64."""
-    norm, head = ToyAddNorm().double(), CountingHead().double()
+def reference(
+    streams, positions=None, top_k=TOP_K, targets=TARGETS, head=None
+) -> dict[str, torch.Tensor]:
+    """The same statistics computed directly in float64 (with a copy of ``head`` if given)."""
+    norm = ToyAddNorm().double()
+    head = (copy.deepcopy(head) if head is not None else CountingHead()).double()
     logits = []
     with torch.no_grad():
         for hidden, residual in streams:
@@ -213,6 +217,21 @@ class TestSplitVocabulary:
         streams = toy_streams()
         for got in on_ranks(3, streams=streams, top_k=20):
             assert_matches(got, reference(streams, top_k=20), 2e-5)
+
+    def test_near_certain_tokens_stay_within_float32_rounding_of_one(self):
+        """Logits in the hundreds (a tuned lens's first layers): a log-sum-exp subtracted
+        from a logit that large is off by 1.5e-5; normalised as log_softmax does, by 1e-7."""
+        head = CountingHead()
+        with torch.no_grad():
+            head.weight.mul_(20)  # logits in the hundreds
+        streams = toy_streams()
+        for got in on_ranks(3, streams=streams, head=head):
+            assert got["top_probs"].sum(-1).max() <= 1 + 4e-7
+            want = reference(streams, head=head)
+            assert torch.equal(got["top_ids"].long(), want["top_ids"])
+            for key in ("top_probs", "target_probs"):
+                torch.testing.assert_close(got[key].double(), want[key], atol=2e-6, rtol=0)
+            # (No KL here: torch.distributions' own KL overflows to inf at these logits.)
 
 
 class TestChunking:

@@ -18,6 +18,8 @@ PIP_EXTRA ?=
 INSTALLED := $(VENV)/.installed
 PROMPT ?= The capital of France is
 TARGET ?= " Paris"
+# demo's natural split; unasked, an engine gets no more ranks than cores (TP=1 on two)
+TP ?= 3
 
 FAST_TESTS := tests/unit tests/test_result.py envoykit
 
@@ -36,7 +38,7 @@ $(INSTALLED): $(PY) requirements/cpu.lock pyproject.toml
 	touch $(INSTALLED)
 
 demo: $(INSTALLED)
-	$(VENV)/bin/envoykit lens "$(PROMPT)" --model demo --target $(TARGET) --out lens.png
+	$(VENV)/bin/envoykit lens "$(PROMPT)" --model demo --tp $(TP) --target $(TARGET) --out lens.png
 
 # Debian's chromium drives the widget tests (Playwright, no browser download).
 browser:

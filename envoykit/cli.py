@@ -62,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         "(--distributed-executor-backend ray, ...) go to vLLM unchanged.",
     )
     serve.add_argument("--model", default="demo", help="built-in name, local dir or hub id")
-    serve.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: max)")
+    serve.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size (default: the largest that gives every rank a core or GPU)",
+    )
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--host", default="127.0.0.1", help="other than loopback: --token-file")
@@ -102,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="built-in name, local dir or hub id")
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: max)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size (default: the largest that gives every rank a core or GPU)",
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
         "--server",

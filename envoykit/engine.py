@@ -70,11 +70,12 @@ def valid_tp_sizes(config: dict) -> list[int]:
 
 
 def choose_tp(config: dict, requested: int | None, platform_name: str) -> int:
-    """The requested TP size, checked; or the largest the model allows and the machine hosts."""
+    """The requested TP size, checked; or the largest the model allows that gives every rank
+    a device of its own (a GPU, or a CPU core: see `platform.default_ranks`)."""
     valid = valid_tp_sizes(config)
     limit = platform.max_ranks(platform_name)
     if requested is None:
-        fitting = [tp for tp in valid if tp <= limit]
+        fitting = [tp for tp in valid if tp <= platform.default_ranks(platform_name)]
         return max(fitting) if fitting else 1
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise InvalidRequest(f"tensor_parallel_size must be a positive integer, not {requested!r}")

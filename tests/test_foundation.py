@@ -81,15 +81,19 @@ class TestEngine:
         two = tiny_engines[2].generate_ids(prompt, 8)
         assert len(one) == 8 and one == two
 
-    def test_default_tp_is_largest_the_machine_hosts(self):
+    @pytest.mark.parametrize(("cores", "tiny_tp", "demo_tp"), [(1, 1, 1), (2, 2, 1), (3, 2, 3)])
+    def test_default_tp_gives_every_rank_a_core(self, monkeypatch, cores, tiny_tp, demo_tp):
+        """Unasked, no more ranks than cores; asked, up to 1.5 ranks a core (demo's three
+        ranks on two cores)."""
         from envoykit.engine import choose_tp
-        from envoykit.platform import max_ranks
 
+        monkeypatch.setattr("envoykit.platform.usable_cpus", lambda: list(range(cores)))
         tiny = {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256}
         demo = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
-        hosts = max_ranks("cpu")
-        assert choose_tp(tiny, None, "cpu") == max(t for t in (1, 2, 4) if t <= hosts)
-        assert choose_tp(demo, None, "cpu") == max(t for t in (1, 3, 9) if t <= hosts)
+        assert choose_tp(tiny, None, "cpu") == tiny_tp
+        assert choose_tp(demo, None, "cpu") == demo_tp
+        if cores == 2:
+            assert choose_tp(demo, 3, "cpu") == 3
 
 
 class TestConstructionErrors:

@@ -45,8 +45,8 @@ browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 
 test: $(INSTALLED) browser
-	$(VENV)/bin/ruff check envoykit tests bench
-	$(VENV)/bin/ruff format --check envoykit tests bench
+	$(VENV)/bin/ruff check envoykit tests bench notebooks/conftest.py
+	$(VENV)/bin/ruff format --check envoykit tests bench notebooks/conftest.py
 	$(VENV)/bin/pytest
 
 test-fast: $(INSTALLED)

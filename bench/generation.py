@@ -14,10 +14,13 @@ of the lens to the one before:
      them (hooks on every decoder layer);
   e. + those rows through the final norm and the whole-vocabulary head at each step (the
      lens's unembedding GEMM and vocab all-gather), one number saved;
-  f. the lens itself: final layer only, top-1, no target; all layers, top-1, no target; all
-     layers, top-10 and a target (the usual call). The last minus (e) is the log-softmax and
-     the reductions; the lens of the prompt alone (generate=0) shows how much of it is the
-     prompt's step, which lenses every prompt position.
+  f. the lens itself: final layer only, top-1, no target; all layers at top-1, at top-10,
+     at top-1 with a target; all layers, top-10 and a target (the usual call). The last minus
+     (e) is the log-softmax and the reductions; the lens of the prompt alone (generate=0)
+     shows how much of it is the prompt's step, which lenses every prompt position.
+
+Every row also shows the CPU time this process spent per call: the client's share (building
+and pickling the trace, unpickling and assembling the result), which the ranks wait on.
 
 The differences between neighbouring rows are printed as the split of the extra time.
 
@@ -33,6 +36,7 @@ import time
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as in bench/lens.py
 
 import nnsight
+import psutil
 import torch
 from timing import median_seconds
 
@@ -122,12 +126,18 @@ def main() -> None:
                 "the rows would compare different step counts; pass another --prompt"
             )
         rows: dict[str, float] = {}
+        client_cpu: dict[str, float] = {}
+        me = psutil.Process()
 
         def timed(name, fn):
             # A TP=1 rank's OpenMP threads busy-wait for a while after the last row's work
             # (see settle in bench/lens.py): let them stop before timing the next row.
             time.sleep(2)
+            before = sum(me.cpu_times()[:2])
             rows[name] = median_seconds(fn, args.repeats)
+            # What this process (tokenizing, building and pickling the trace, unpickling and
+            # assembling the result) spent per call, the warm-up included.
+            client_cpu[name] = (sum(me.cpu_times()[:2]) - before) / (args.repeats + 1)
             print(f"  {name}: {rows[name] * 1000:.0f} ms", flush=True)
 
         def lens(generate=n, **kwargs):
@@ -156,6 +166,8 @@ def main() -> None:
         timed("e", checked("unembed", 2))
         timed("f1", lens(layers=[-1], top_k=1))
         timed("f2", lens(top_k=1))
+        timed("f2k", lens(top_k=10))
+        timed("f2t", lens(top_k=1, targets=[TARGET]))
         timed("f3", lens(top_k=10, targets=[TARGET]))
         timed("g0", lambda: engine.generate(prompt, 1))
         timed("g1", lens(generate=0, top_k=10, targets=[TARGET]))
@@ -170,6 +182,8 @@ def main() -> None:
         "e": "e  + final norm and whole-vocab head of them",
         "f1": f"f1 lens generate={n}, final layer only, top-1",
         "f2": f"f2 lens generate={n}, all layers, top-1",
+        "f2k": f"f2k lens generate={n}, all layers, top-10",
+        "f2t": f"f2t lens generate={n}, all layers, top-1 + target",
         "f3": f"f3 lens generate={n}, all layers, top-10 + target",
         "g0": "g0 generate 1 token (the prompt's step)",
         "g1": "g1 lens generate=0 (the prompt's step), top-10 + target",
@@ -185,12 +199,12 @@ def main() -> None:
     print(
         f"load average (1/5/15 min): {loads} before, {loads_after} after, on {os.cpu_count()} cores"
     )
-    print(f"{'':<56} {'ms':>8} {'ms/step':>8} {f'x gen {n}':>9}")
+    print(f"{'':<56} {'ms':>8} {'ms/step':>8} {f'x gen {n}':>9} {'client CPU ms':>14}")
     for key, label in labels.items():
         steps = 1 if key.startswith("g") else (n if key == "a" else n + 1)
         print(
             f"{label:<56} {rows[key] * 1000:>8.0f} {rows[key] * 1000 / steps:>8.1f} "
-            f"{rows[key] / base:>9.2f}"
+            f"{rows[key] / base:>9.2f} {client_cpu[key] * 1000:>14.0f}"
         )
     extra = rows["f3"] - base
     split = {
@@ -210,6 +224,8 @@ def main() -> None:
     notes = {
         "the prompt step's whole lens (g1 - g0), within the above": prompt_lens,
         "reductions at top-1, no target (f2 - e)": rows["f2"] - rows["e"],
+        "top-10 instead of top-1 (f2k - f2)": rows["f2k"] - rows["f2"],
+        "a target at top-1 (f2t - f2)": rows["f2t"] - rows["f2"],
         "unembedding + reductions, final layer only (f1 - d)": rows["f1"] - rows["d"],
     }
     for name, seconds in notes.items():

@@ -15,16 +15,19 @@ Consecutive parts add up to the start; a part whose marks are missing (no engine
 when the core runs in the owner, no rank process at TP=1 in-process) is shown as ``-`` and its
 time falls into the next part.
 
-    python bench/startup.py --model demo --tp 3 --repeat 3
-    python bench/startup.py --model demo --env VLLM_ENABLE_V1_MULTIPROCESSING=0 --json out.json
-    python bench/startup.py --model tiny --kwarg skip_tokenizer_init=true --no-plain
+    python bench/startup.py --model demo --tp 3 --repeat 3 --wait-load 1.5
+    python bench/startup.py --model demo --tp 3 --plain-tp --env VLLM_ENABLE_V1_MULTIPROCESSING=0
+    python bench/startup.py --model tiny --no-plain --kwarg 'distributed_executor_backend="mp"'
     python bench/startup.py --imports            # import cost of each process's modules
 
 ``--env`` and ``--kwarg`` (a JSON value) apply to every start, envoykit's and the plain one,
-so a vLLM lever is measured on both sides. Reports the median over ``--repeat`` runs (the
-starts of one repeat run one after the other, repeats interleaved, so a change in the
-machine's load falls on all of them), the first lens (plain: one greedy token) and the close.
-Run it on a quiet machine: two cores shared with another engine double every part.
+so a vLLM lever is measured on both sides; ``--json`` keeps every run's marks and its lens
+(last position) for comparing results across levers. Reports the median over ``--repeat``
+runs (the starts of one repeat run one after the other, repeats interleaved, so a change in
+the machine's load falls on all of them), the first lens (plain: one greedy token), the close,
+and each run's start with the load average it began under. Run it on a quiet machine
+(``--wait-load`` waits for one before each start): two cores shared with another engine
+double every part, and a run that was paused or starved shows up as one inflated part.
 """
 
 from __future__ import annotations

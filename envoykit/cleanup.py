@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 # Python's SharedMemory names its segments so (multiprocessing.shared_memory); only those are
 # registered with a resource tracker.
 _PYTHON_SEGMENT_PREFIX = "psm_"
+# How a named POSIX semaphore appears in /dev/shm; multiprocessing names its own "/mp-*".
+_SEMAPHORE_PREFIX = "sem."
+_PYTHON_SEMAPHORE_PREFIX = "sem.mp-"
 
 
 def descendants() -> set[psutil.Process]:
@@ -46,6 +49,25 @@ def mapped_segments(processes: set[psutil.Process]) -> set[str]:
     return {os.path.basename(path) for path in _janitor.mapped_segments([p.pid for p in processes])}
 
 
+def engine_semaphores(processes: set[psutil.Process]) -> set[str]:
+    """Names of the named semaphores in /dev/shm the processes have open and this process
+    has not.
+
+    The engine made those (vLLM's engine core makes a ``multiprocessing`` lock for its
+    ranks); a semaphore this process made and handed to them is open here too. Matched by
+    inode: ``sem_open`` creates a semaphore under a temporary name and links it to its own,
+    so its maker maps only the temporary name, already unlinked.
+    """
+    theirs = set(_janitor.mapped_shm([p.pid for p in processes], unlinked=True).values())
+    theirs -= set(_janitor.mapped_shm([os.getpid()], unlinked=True).values())
+    with os.scandir(SHM) as entries:
+        return {
+            entry.name
+            for entry in entries
+            if entry.name.startswith(_SEMAPHORE_PREFIX) and entry.inode() in theirs
+        }
+
+
 def shutdown(llm: Any, processes: set[psutil.Process], janitor: Janitor, scratch: str) -> None:
     """Shut the engine core down, then make sure every process and segment it made is gone.
 
@@ -60,7 +82,7 @@ def shutdown(llm: Any, processes: set[psutil.Process], janitor: Janitor, scratch
     closed and exits.
     """
     at_start = {os.path.basename(p) for p in janitor.paths if os.path.dirname(p) == SHM}
-    segments = at_start | mapped_segments(processes)
+    segments = at_start | mapped_segments(processes) | engine_semaphores(processes)
     entry = getattr(llm, "vllm_entrypoint", None)
     if entry is not None:
         with contextlib.suppress(Exception):  # a dead engine core has nothing left to stop
@@ -87,7 +109,8 @@ def unlink_segment(name: str) -> None:
     """Unlink a segment its maker left behind, and tell this process's resource tracker.
 
     The engine's processes share this process's tracker (spawned processes inherit it), so a
-    Python ``SharedMemory`` segment made by a rank is registered here; unlinked without
+    Python ``SharedMemory`` segment or ``multiprocessing`` semaphore made by one of them is
+    registered here; unlinked without
     unregistering, the tracker would try again at exit and warn about a leak. Only a segment
     this call unlinked is unregistered: one its maker unlinked was unregistered by its maker,
     and telling the tracker about a name it does not hold, or one that is not Python's (vLLM's
@@ -98,7 +121,9 @@ def unlink_segment(name: str) -> None:
         os.unlink(os.path.join(SHM, name))
     except OSError:  # gone already: its maker unlinked it
         return
-    if name.startswith(_PYTHON_SEGMENT_PREFIX):
-        from multiprocessing import resource_tracker
+    from multiprocessing import resource_tracker
 
+    if name.startswith(_PYTHON_SEGMENT_PREFIX):
         resource_tracker.unregister(f"/{name}", "shared_memory")
+    elif name.startswith(_PYTHON_SEMAPHORE_PREFIX):
+        resource_tracker.unregister(f"/{name[len(_SEMAPHORE_PREFIX) :]}", "semaphore")

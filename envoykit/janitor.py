@@ -77,13 +77,21 @@ def mapped_segments(pids: list[int]) -> set[str]:
     would also catch the segments of an engine another kernel started at the same time.
     Semaphores (``sem.*``) are left out: a process maps those its parent made too.
     """
-    found = set()
+    return {path for path in mapped_shm(pids) if not os.path.basename(path).startswith("sem.")}
+
+
+def mapped_shm(pids: list[int], unlinked: bool = False) -> dict[str, int]:
+    """Files in /dev/shm the processes ``pids`` have mapped, path to inode; with
+    ``unlinked``, also those already unlinked (their paths end in `` (deleted)``)."""
+    found = {}
     for pid in pids:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
             for line in maps:
-                path = line.split(maxsplit=5)[-1].strip()
-                if path.startswith(f"{SHM}/") and not os.path.basename(path).startswith("sem."):
-                    found.add(path)
+                fields = line.split(maxsplit=5)
+                path = fields[-1].strip()
+                gone = path.endswith(" (deleted)")
+                if len(fields) == 6 and path.startswith(f"{SHM}/") and (unlinked or not gone):
+                    found[path] = int(fields[4])
     return found
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import envoykit as ek
 from envoykit.tuned import offline_texts
@@ -26,7 +27,7 @@ def texts():
 
 @pytest.fixture(scope="module")
 def tuned(tiny2, texts):
-    return ek.TunedLens.train(tiny2, texts[0], max_seconds=20, progress=False)
+    return ek.TunedLens.train(tiny2, texts[0], steps=20, progress=False)
 
 
 def test_tuned_lens_beats_the_logit_lens_on_held_out_text(tiny2, tuned, texts):
@@ -42,6 +43,15 @@ def test_training_is_deterministic(tiny2, texts):
     assert first.key == second.key
     other = ek.TunedLens.train(tiny2, texts[0], steps=3, progress=False, seed=2)
     assert other.key != first.key
+
+
+def test_training_for_a_time_keeps_a_trained_step(tiny2, texts):
+    """With ``max_seconds`` (and no step count) training stops on its own and returns the
+    translators of its best step: trained, finite, and their step count recorded."""
+    timed = ek.TunedLens.train(tiny2, texts[0], max_seconds=2, progress=False)
+    assert timed.model["steps"] >= 1
+    weights = torch.stack([a for a, _ in timed.weights.values()])
+    assert torch.isfinite(weights).all() and weights.abs().sum() > 0
 
 
 def test_tp1_equals_tp2_and_sent_once(tiny_engines, tuned, monkeypatch):

@@ -195,7 +195,11 @@ class _Clock:
 
 
 def _logging_config(path: str) -> str:
-    """A vLLM logging config in envoykit's format (INFO and up to ``path``, errors on screen)."""
+    """A vLLM logging config in envoykit's format (INFO and up to ``path``, errors on screen).
+
+    A copy of `envoykit.logs.configure`'s, not a call to it: importing envoykit loads torch,
+    which the plain start would then not pay for in its own timed imports.
+    """
     fmt = "%(levelname)s %(asctime)s [pid %(process)d] %(name)s: %(message)s"
     config = {
         "version": 1,

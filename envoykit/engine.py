@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from envoykit import logs, models, platform
 from envoykit.cleanup import SHM as _SHM
 from envoykit.cleanup import descendants as _descendants
+from envoykit.cleanup import engine_semaphores as _engine_semaphores
 from envoykit.cleanup import mapped_segments as _mapped_segments
 from envoykit.cleanup import shutdown as _shutdown
 from envoykit.cleanup import stop as _stop
@@ -180,7 +181,10 @@ class Engine(EngineSurface):
         self._llm = llm
         processes = _descendants() - not_the_engine
         self._processes = sorted(processes, key=lambda process: process.pid)
-        segments = sorted(os.path.join(_SHM, name) for name in _mapped_segments(processes))
+        # What they made so far, for close() and the janitor: a process that dies first (a
+        # killed rank takes the engine core down) can no longer be asked.
+        made = _mapped_segments(processes) | _engine_semaphores(processes)
+        segments = sorted(os.path.join(_SHM, name) for name in made)
         watcher.watch([p.pid for p in self._processes], segments)
         self._finalizer = weakref.finalize(self, _shutdown, llm, processes, watcher, scratch)
         # Everything the engine runs, nnsight traces included, goes through one guard. Held

@@ -17,7 +17,7 @@ And each of them leaves without the interpreter's last garbage collections of it
 heap. A process holds about 650,000 objects (torch, transformers, vLLM, the model);
 interpreter shutdown collects them several times over, 2.6 s on two cores for the imports
 alone, after vLLM's own cleanup has run. Ranks took ~4.3 s to leave, past vLLM's 5 s grace
-for the engine core, so every ``close()`` waited for a force-kill (5-6 s; now under 2 s).
+for the engine core, so every ``close()`` waited for a force-kill (5-6 s; now about 2 s).
 """
 
 from __future__ import annotations

@@ -66,19 +66,49 @@ def lens_statistics(
     rows = [final_norm(norm, hidden, residual) for hidden, residual in streams]
     if positions is not None:
         rows = [row[positions] for row in rows]
+    # Each exchange is a collective: every rank must make the same calls, so chunks are sized
+    # by the largest slice (slices differ by the vocabulary's padding), not by this rank's.
+    largest = int(shard.gather(torch.tensor([float(shard.size)])).max())
     n_pos = rows[0].shape[0]
-    per_call = layers_per_call(n_pos, shard.size, budget)
+    span = positions_per_call(largest, budget)
+    blocks = [
+        _reduce_positions(
+            shard,
+            [row[start : start + span] for row in rows],
+            top_k,
+            targets,
+            dtype,
+            budget,
+            largest,
+        )
+        for start in range(0, n_pos, span)
+    ]
+    return {key: torch.cat([block[key] for block in blocks], dim=1) for key in blocks[0]}
+
+
+def _reduce_positions(
+    shard: VocabShard,
+    rows: list[torch.Tensor],
+    top_k: int,
+    targets: Sequence[int],
+    dtype: torch.dtype,
+    budget: int,
+    largest: int,
+) -> dict[str, torch.Tensor]:
+    """`lens_statistics` of one block of positions: layers in chunks that fit ``budget``."""
+    n_pos = rows[0].shape[0]
+    per_call = layers_per_call(n_pos, largest, budget)
     # The final layer's chunk goes first: every chunk needs its distribution for KL.
     chunks = [rows[max(0, end - per_call) : end] for end in range(len(rows), 0, -per_call)]
     final_logp = None
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
         logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
-        largest, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
+        largest_logit, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
             shard, logits, top_k, targets
         )
         # This rank's slice of the log-probs, in place: (logit - largest) - log_sum.
-        logp = logits.sub_(largest.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
+        logp = logits.sub_(largest_logit.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
         if final_logp is None:
             final_logp = logp[-1].clone()
         entropy, kl, ranks = vocab_parallel.sums(shard, logp, final_logp, target_logp)
@@ -113,6 +143,12 @@ def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
     """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice), and
     the two temporaries of their size the reductions make, fit ``budget`` bytes."""
     return max(1, math.floor(budget / max(1, n_pos * vocab * 4 * 3)))
+
+
+def positions_per_call(vocab: int, budget: int) -> int:
+    """Positions per block so that one layer of them fits ``budget`` as in `layers_per_call`:
+    past that, a long prompt's single layer would outgrow the budget with its length."""
+    return layers_per_call(1, vocab, budget)
 
 
 def run(

@@ -12,6 +12,7 @@ summaries through a barrier as the ranks' all-gather would.
 from __future__ import annotations
 
 import copy
+import math
 import threading
 
 import pytest
@@ -212,6 +213,14 @@ class TestSplitVocabulary:
         for got in on_ranks(3, streams=streams, budget=1):
             assert_matches(got, reference(streams), 2e-5)
 
+    def test_uneven_slices_chunk_alike(self):
+        """Slices of 13, 13 and 11 tokens and a budget of two layers of the smallest: sized by
+        its own slice, the last rank would make fewer exchanges than the others and wait for
+        them forever; every rank sizes its chunks by the largest slice."""
+        streams = toy_streams()
+        for got in on_ranks(3, streams=streams, budget=2 * N_POS * 11 * 4 * 3):
+            assert_matches(got, reference(streams), 2e-5)
+
     def test_top_k_larger_than_a_slice(self):
         """Each rank holds 12-13 tokens; the top 20 come from every rank's candidates."""
         streams = toy_streams()
@@ -242,20 +251,29 @@ class TestChunking:
         statistics(toy_streams(), head=head)
         assert head.calls == 1
 
-    # One layer's full-vocab logits, log-probs and probs, in float32 bytes.
-    LAYER_BYTES = N_POS * VOCAB * 4 * 3
+    # One position's and one layer's full-vocab logits, log-probs and probs, in float32 bytes.
+    POSITION_BYTES = VOCAB * 4 * 3
+    LAYER_BYTES = N_POS * POSITION_BYTES
 
     @pytest.mark.parametrize(
         ("budget", "calls"),
-        [(1, 5), (2 * LAYER_BYTES, 3), (3 * LAYER_BYTES, 2), (5 * LAYER_BYTES, 1)],
-        ids=["1-byte", "2-layers", "3-layers", "5-layers"],
+        [
+            (1, 5 * N_POS),
+            (2 * POSITION_BYTES, 5 * math.ceil(N_POS / 2)),
+            (2 * LAYER_BYTES, 3),
+            (3 * LAYER_BYTES, 2),
+            (5 * LAYER_BYTES, 1),
+        ],
+        ids=["1-byte", "2-positions", "2-layers", "3-layers", "5-layers"],
     )
     def test_any_budget_gives_the_same_statistics(self, budget, calls):
         streams = toy_streams()
         whole = statistics(streams)
         head = CountingHead()
         chunked = statistics(streams, budget=budget, head=head)
-        assert head.calls == calls  # really chunked (5 layers: 2+2+1, 3+2, ...)
+        # Really chunked: 5 layers as 2+2+1, 3+2, ...; below one layer, blocks of positions
+        # (a long prompt's single layer would otherwise outgrow the budget), each layer alone.
+        assert head.calls == calls
         for key in ("top_ids", "target_ranks"):
             assert torch.equal(chunked[key], whole[key]), key
         # A GEMM over fewer rows may round differently: float32 noise (KL reaches ~30 nats).

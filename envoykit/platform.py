@@ -80,6 +80,15 @@ def rank_environment(platform: str, tp: int) -> dict[str, str]:
         # fresh allocations each call, and faulting them in 4 KiB at a time cost as much as
         # computing them (log-softmax of 480 x 49152 floats: 100 ms, 45 ms on huge pages).
         "THP_MEM_ALLOC_ENABLE": "1",
+        # ... and faulted in once. glibc serves allocations past 32 MiB (a lens's logits are
+        # ~90 MiB) from fresh mappings and unmaps them on free, so every call faulted its
+        # temporaries in again, and on huge pages the kernel compacted memory to find them:
+        # the reductions of a 16-token demo lens took 140-580 ms a call, 80-90 ms with freed
+        # memory kept in the heap for the next call. The price: a rank keeps its working
+        # memory between calls (demo at TP=1: ~940 MiB over its idle RSS, the same from 64 to
+        # 768 tokens).
+        "MALLOC_MMAP_MAX_": "0",
+        "MALLOC_TRIM_THRESHOLD_": str(2**62),
     }
 
 

@@ -11,6 +11,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from envoykit import lifeline
+
 # Each core hosts at most 1.5 ranks on average: three ranks on two cores (the demo model's
 # natural split) run when asked for, but more sharing only adds context switches to every
 # collective. Unasked, a CPU engine gets no more ranks than cores (`default_ranks`).
@@ -71,6 +73,9 @@ def rank_environment(platform: str, tp: int) -> dict[str, str]:
     return {
         "VLLM_CPU_OMP_THREADS_BIND": core_binding(usable_cpus(), tp),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        # The engine core forks its ranks rather than spawning them (see
+        # `envoykit.lifeline.fork_ranks`): "0" spawns them as vLLM does.
+        lifeline.FORK_RANKS: "1",
         # Deprecation notices from torch and vLLM internals (every all-gather warns once per
         # rank and call site) and torch's C++ NUMA notices say nothing a user can act on;
         # in a notebook they bury the output.

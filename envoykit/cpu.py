@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from unittest import mock
 
+import torch
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker import cpu_worker
@@ -34,6 +35,8 @@ class NNsightCPUWorker(TranslatorStore, CPUWorker):
     envoykit's, which installs tuned-lens translators)."""
 
     def init_device(self) -> None:
+        if self.vllm_config.model_config.enforce_eager:
+            _compile_nothing()
         # CPUWorker.init_device constructs its runner by the module-level name; pointing
         # that name at our subclass for this one call builds the runner we want directly.
         with mock.patch.object(cpu_worker, "CPUModelRunner", NNsightCPUModelRunner):
@@ -48,6 +51,18 @@ class NNsightCPUWorker(TranslatorStore, CPUWorker):
     nnsight_request_count = NNsightGPUWorker.nnsight_request_count
     nnsight_register = NNsightGPUWorker.nnsight_register
     nnsight_clear_registered = NNsightGPUWorker.nnsight_clear_registered
+
+
+def _compile_nothing() -> None:
+    """Run vLLM's few ``torch.compile``d helpers as plain Python in this rank.
+
+    An eager engine still compiles those: with more than one rank, the first forward
+    compiles the vocabulary-shard mask of the embedding (``get_masked_input_and_mask``) to
+    C++ in every rank, 10-12 s of the first lens of ``demo`` at TP=3 on two cores, for four
+    element-wise operations on the prompt's token ids. Disabling dynamo here, in the rank,
+    leaves the owner's ``torch.compile`` alone.
+    """
+    torch._dynamo.config.disable = True
 
 
 def prepare_client() -> None:

@@ -65,7 +65,7 @@ PARTS = [
     ("core_created", "owner: LLM() config + tokenizer, spawn core"),
     ("core_logged", "engine core: spawn + imports"),
     ("rank_created", "engine core: executor set-up"),
-    ("ranks_imported", "ranks: spawn + imports (last rank)"),
+    ("ranks_imported", "ranks: start (fork or spawn) + imports, last"),
     ("load_started", "ranks: device + distributed init"),
     ("kv_started", "ranks: model load (weights, repack, ready)"),
     ("kv_done", "KV cache, profiling, warm-up"),

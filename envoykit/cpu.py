@@ -59,10 +59,12 @@ def _compile_nothing() -> None:
     An eager engine still compiles those: with more than one rank, the first forward
     compiles the vocabulary-shard mask of the embedding (``get_masked_input_and_mask``) to
     C++ in every rank, 10-12 s of the first lens of ``demo`` at TP=3 on two cores, for four
-    element-wise operations on the prompt's token ids. Disabling dynamo here, in the rank,
-    leaves the owner's ``torch.compile`` alone.
+    element-wise operations on the prompt's token ids. The stance is the process's (dynamo's
+    ``config.disable`` would hold for this thread only, not for nnsight's intervention
+    threads that make ad-hoc calls); set here, in the rank, it leaves the owner's
+    ``torch.compile`` alone.
     """
-    torch._dynamo.config.disable = True
+    torch.compiler.set_stance("force_eager")
 
 
 def prepare_client() -> None:

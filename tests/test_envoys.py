@@ -17,6 +17,7 @@ from conftest import start
 from reference import attribution, lens_logits, sublayer_logits
 
 import envoykit as ek
+from envoykit import platform
 from envoykit.readout import at
 
 pytestmark = pytest.mark.engine
@@ -142,6 +143,15 @@ class TestWholeAcrossRanks:
         for rank in ranks:
             loaded = [m.path for m in rank.memory_maps() if "torchinductor" in m.path]
             assert loaded == [], rank.name()
+
+    def test_forked_ranks_run_on_the_cores_vllm_gave_them(self, tiny2):
+        # A forked rank inherits the engine core's unbound OpenMP runtime and binds itself;
+        # unbound, three ranks on two cores ran a forward 40x slower.
+        binding = platform.core_binding(platform.usable_cpus(), 2).split("|")
+        ranks = sorted((p for p in tiny2.processes if "Worker" in p.name()), key=lambda p: p.name())
+        assert [rank.cpu_affinity() for rank in ranks] == [
+            [int(cpu) for cpu in cores.split(",")] for cores in binding
+        ]
 
 
 def logits_with_up_zeroed(engine: ek.Engine) -> tuple[torch.Tensor, torch.Tensor]:

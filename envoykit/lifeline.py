@@ -78,9 +78,9 @@ def _signal_at_parent_death(parent: int) -> None:
 def fork_ranks() -> None:
     """In the engine core, before it starts its ranks: have vLLM fork them.
 
-    Spawned, each rank imports torch, vLLM and nnsight afresh: 6.5 s at TP=1, and 14 s for
+    Spawned, each rank imports torch, vLLM and nnsight afresh: 8.4 s at TP=1, and 21 s for
     three ranks importing at once on two cores (`bench/startup.py`). Forked, a rank starts
-    with the engine core's imports. vLLM's CPU platform asks for spawn, and it binds each
+    with the engine core's imports and runs 1.4 s after it (3 s for three). vLLM's CPU platform asks for spawn, and it binds each
     rank's OpenMP threads through variables (``GOMP_CPU_AFFINITY``, ``OMP_PLACES``,
     ``KMP_AFFINITY``) that the OpenMP runtime reads once, when it loads: a forked rank
     inherits a runtime the engine core loaded without them, so it binds itself

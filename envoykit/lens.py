@@ -123,6 +123,10 @@ def _reduce_positions(
                 "target_ranks": ranks.int().cpu(),
             }
         )
+        # This chunk's logits go before the next chunk's exist: held across the next head
+        # call, they added a chunk to the peak (a repeated long demo lens at TP=3: a rank's
+        # peak rose 84 MiB above its start with them, 0-84 MiB without).
+        del logits, logp
     pieces.reverse()
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
 

@@ -80,11 +80,12 @@ def fork_ranks() -> None:
 
     Spawned, each rank imports torch, vLLM and nnsight afresh: 8.4 s at TP=1, and 21 s for
     three ranks importing at once on two cores (`bench/startup.py`). Forked, a rank starts
-    with the engine core's imports and runs 1.4 s after it (3 s for three). vLLM's CPU platform asks for spawn, and it binds each
-    rank's OpenMP threads through variables (``GOMP_CPU_AFFINITY``, ``OMP_PLACES``,
-    ``KMP_AFFINITY``) that the OpenMP runtime reads once, when it loads: a forked rank
-    inherits a runtime the engine core loaded without them, so it binds itself
-    (`_forked_rank`). Unbound, three ranks on two cores ran a forward 40x slower.
+    with the engine core's imports and runs 1.4 s after it (3 s for three). vLLM's CPU
+    platform asks for spawn, and it binds each rank's OpenMP threads through variables
+    (``GOMP_CPU_AFFINITY``, ``OMP_PLACES``, ``KMP_AFFINITY``) that the OpenMP runtime
+    reads once, when it loads: a forked rank inherits a runtime the engine core loaded
+    without them, so it binds itself (`_forked_rank`). Unbound, three ranks on two cores ran
+    a forward 40x slower.
 
     The signal a parent's death sends is not inherited either, so a forked rank asks for it
     again; it stays in the engine core's process group, out of the kernel's. A forked rank

@@ -124,8 +124,8 @@ def _reduce_positions(
             }
         )
         # This chunk's logits go before the next chunk's exist: held across the next head
-        # call, they added a chunk to the peak (a repeated long demo lens at TP=3: a rank's
-        # peak rose 84 MiB above its start with them, 0-84 MiB without).
+        # call, they added a chunk to the peak (a second long demo lens at TP=3: a rank's
+        # peak rose up to 169 MiB above its start with them, up to 84 MiB without).
         del logits, logp
     pieces.reverse()
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}

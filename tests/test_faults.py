@@ -170,8 +170,8 @@ def test_lens_beyond_memory_is_chunked(demo3):
     gigabytes on every rank (over 8 budgets); chunked, they fit the budget. A rank's first
     long lens still raises its peak by 2.6-3.0 budgets (656-769 MiB measured): ranks keep
     freed memory in the heap (``MALLOC_MMAP_MAX_=0``), where the forward's and the lens's
-    allocations cannot all reuse each other's space; the next call adds nothing
-    (`test_ranks_reuse_their_working_memory`)."""
+    allocations cannot all reuse each other's space; a rank that has served a lens once
+    needs almost nothing more for it (`test_ranks_reuse_their_working_memory`)."""
     from envoykit.lens import DEFAULT_MEMORY_BUDGET
 
     prompt = " ".join(["The capital of France is Paris, and the capital of Italy is Rome."] * 10)

@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import pytest
 
 import envoykit as ek
 
-# vLLM's CPU backend starts its ranks with `spawn`; they must not inherit pytest's capture.
+# The engine's processes (the engine core spawned, its ranks forked from it) must not inherit
+# pytest's capture.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def start(model: str, tp: int, **kwargs) -> ek.Engine:
     return ek.Engine(model, tensor_parallel_size=tp, progress=False, **kwargs)
+
+
+def rank_processes(engine: ek.Engine) -> list[psutil.Process]:
+    """The engine's rank processes (``psutil.Process``), rank 0 first."""
+    return sorted((p for p in engine.processes if "Worker_TP" in p.name()), key=lambda p: p.name())
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import start
+from conftest import rank_processes, start
 from reference import attribution, lens_logits, sublayer_logits
 
 import envoykit as ek
@@ -138,9 +138,8 @@ class TestWholeAcrossRanks:
         # (10-12 s of demo's first lens at TP=3); a compiled kernel is a shared library the
         # rank loads from inductor's cache. The embedding above is exact either way.
         read_locations(tiny2)
-        ranks = [p for p in tiny2.processes if "Worker" in p.name()]
-        assert len(ranks) == 2
-        for rank in ranks:
+        assert len(rank_processes(tiny2)) == 2
+        for rank in rank_processes(tiny2):
             loaded = [m.path for m in rank.memory_maps() if "torchinductor" in m.path]
             assert loaded == [], rank.name()
 
@@ -148,8 +147,7 @@ class TestWholeAcrossRanks:
         # A forked rank inherits the engine core's unbound OpenMP runtime and binds itself;
         # unbound, three ranks on two cores ran a forward 40x slower.
         binding = platform.core_binding(platform.usable_cpus(), 2).split("|")
-        ranks = sorted((p for p in tiny2.processes if "Worker" in p.name()), key=lambda p: p.name())
-        assert [rank.cpu_affinity() for rank in ranks] == [
+        assert [rank.cpu_affinity() for rank in rank_processes(tiny2)] == [
             [int(cpu) for cpu in cores.split(",")] for cores in binding
         ]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import start
+from conftest import rank_processes, start
 
 import envoykit as ek
 
@@ -179,7 +179,7 @@ def test_lens_beyond_memory_is_chunked(demo3):
     n_pos = len(demo3.tokenizer(prompt).input_ids)
     unchunked = info.n_layers * n_pos * info.vocab * 4 * 3
     assert unchunked > 8 * DEFAULT_MEMORY_BUDGET  # the lens is far beyond the budget
-    ranks = [p for p in demo3.processes if "Worker_TP" in p.name()]
+    ranks = rank_processes(demo3)
     assert len(ranks) == 3
     for process in ranks:  # "5" resets the peak resident set to the current one
         Path(f"/proc/{process.pid}/clear_refs").write_text("5")
@@ -198,7 +198,7 @@ def test_ranks_reuse_their_working_memory(demo3):
     With glibc's default, the logits of this lens (over 32 MiB per rank) were unmapped at
     free and mapped afresh each call, and each call's peak rose ~170 MiB above its start."""
     prompt = " ".join(["The capital of France is Paris."] * 8)
-    ranks = [p for p in demo3.processes if "Worker_TP" in p.name()]
+    ranks = rank_processes(demo3)
     info = demo3.info
     n_pos = len(demo3.tokenizer(prompt).input_ids)
     assert (info.n_layers + 1) * n_pos * (info.vocab // 3) * 4 > 64 * 2**20  # past glibc's mmap

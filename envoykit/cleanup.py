@@ -14,6 +14,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
+from envoykit import forkserver
 from envoykit import janitor as _janitor
 from envoykit.janitor import SHM
 
@@ -31,14 +32,15 @@ _PYTHON_SEMAPHORE_PREFIX = "sem.mp-"
 
 
 def descendants() -> set[psutil.Process]:
-    """This process's live descendants, less Python's shared-memory resource tracker (one per
-    process, shared by every engine, kept for the life of the process by design)."""
+    """This process's live descendants, less Python's shared-memory resource tracker and
+    its fork server (one each per process, shared by every engine, kept for the life of the
+    process by design; see `envoykit.forkserver`)."""
     import psutil
 
-    found = set()
+    found, shared = set(), forkserver.running()
     for process in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if "resource_tracker" not in " ".join(process.cmdline()):
+            if process.pid not in shared and "resource_tracker" not in " ".join(process.cmdline()):
                 found.add(process)
     return found
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from envoykit import logs, models, platform
+from envoykit import forkserver, logs, models, platform
 from envoykit.cleanup import SHM as _SHM
 from envoykit.cleanup import descendants as _descendants
 from envoykit.cleanup import engine_semaphores as _engine_semaphores
@@ -163,17 +163,23 @@ class Engine(EngineSurface):
         steps = tqdm(total=3, desc=f"{self._source.name}: preparing", disable=not self._progress)
         self._translators = set()
         self.log_file, log_env = logs.configure(models.cache_dir() / "logs", self._log_level)
-        workers = platform.worker_module(self._platform)
         env = {**platform.rank_environment(self._platform, self._tp), **log_env}
+        fork_core = self._platform == "cpu" and forkserver.enabled()
+        if fork_core:  # its imports run beside this process's
+            with platform.environment(env, forced={}):
+                forkserver.start()
+        workers = platform.worker_module(self._platform)
         # The engine's temporary files (vLLM's ZeroMQ sockets, a few dozen per engine, and its
         # rendezvous file, which vLLM leaves behind) go to a directory of the engine's own,
         # removed with it. (mkdtemp also fixes this process's own temporary directory first.)
         scratch = tempfile.mkdtemp(prefix="envoykit-")
         # Watching before the first process starts: an owner killed mid-start leaves nothing.
-        watcher = Janitor([scratch], existing=[p.pid for p in already_running])
+        not_adopted = [p.pid for p in already_running] + forkserver.running()
+        watcher = Janitor([scratch], existing=not_adopted)
         not_the_engine = {*already_running, psutil.Process(watcher.pid)}
         try:
-            llm = self._spawn(workers, env, scratch, steps)
+            with forkserver.engine_core() if fork_core else contextlib.nullcontext():
+                llm = self._spawn(workers, env, scratch, steps)
         except BaseException:
             _stop(_descendants() - not_the_engine)
             watcher.release()  # it removes what the stopped processes had mapped

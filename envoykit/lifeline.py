@@ -38,11 +38,16 @@ _PR_SET_PDEATHSIG = 1
 # Set in the engine's environment (`envoykit.platform.rank_environment`): "1" makes the
 # engine core fork its ranks.
 FORK_RANKS = "ENVOYKIT_FORK_RANKS"
+# Whether this process has asked for its parent's death signal (`die_with_parent`).
+_armed = False
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Ask the kernel to SIGTERM this process when its parent exits, and leave the parent's
-    process group (Linux only).
+    process group (Linux only). Once per process: vLLM's plugin loader calls it too.
+
+    ``parent``: the process that made this one, where that is not the one multiprocessing
+    names (the fork server makes engine cores for the owner, `envoykit.forkserver`).
 
     SIGTERM rather than SIGKILL so vLLM's own handlers get to close their shared memory.
     The parent may already have died between the spawn and this call; then the
@@ -57,10 +62,14 @@ def die_with_parent() -> None:
     ``close()``. What a process leaves anyway is removed by ``close()`` or the janitor, which
     look at what the processes have mapped.
     """
-    parent = multiprocessing.parent_process()
-    if parent is None or not sys.platform.startswith("linux"):
+    global _armed
+    if parent is None:
+        made_by = multiprocessing.parent_process()
+        parent = None if made_by is None else made_by.pid
+    if _armed or parent is None or not sys.platform.startswith("linux"):
         return
-    _signal_at_parent_death(parent.pid)
+    _armed = True
+    _signal_at_parent_death(parent)
     os.setpgid(0, 0)
     is_rank = multiprocessing.current_process().name.startswith("VllmWorker")
     atexit.register(gc.freeze if is_rank else _collect_then_freeze)

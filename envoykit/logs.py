@@ -72,3 +72,14 @@ def configure(directory: Path, level: str) -> tuple[Path, dict[str, str]]:
         "VLLM_LOGGING_LEVEL": level,
     }
     return log_file, env
+
+
+def apply_engine_config() -> None:
+    """Apply the config `configure` wrote, named in this process's environment.
+
+    For a process that imported vLLM before its environment named this engine's config (the
+    fork server and the engine cores it forks, `envoykit.forkserver`).
+    """
+    path = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+    if path:
+        logging.config.dictConfig(json.loads(Path(path).read_text()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -14,11 +15,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 from conftest import start
 
 import envoykit as ek
+from envoykit import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,12 +45,13 @@ def leftovers() -> set[str]:
 
 
 def children() -> set[int]:
-    """Live descendants, less Python's own shared-memory resource tracker (one per process,
-    started on first use and kept for the life of the process by design)."""
+    """Live descendants, less Python's own shared-memory resource tracker and the fork server
+    engine cores are forked from (one each per process, started on first use and kept for the
+    life of the process by design)."""
     found = set()
     for process in psutil.Process().children(recursive=True):
         try:
-            if process.status() == psutil.STATUS_ZOMBIE:
+            if process.status() == psutil.STATUS_ZOMBIE or process.pid in forkserver.running():
                 continue
             if "resource_tracker" in " ".join(process.cmdline()):
                 continue
@@ -349,3 +353,49 @@ def test_environment_yml_names_the_lock_pins():
     assert any(pin.startswith("nnsight==0.8.1") for pin in lock)
     for banned in ("torchvision", "torchaudio", "torchcodec", "triton"):
         assert not any(pin.startswith(banned + "==") for pin in lock), banned
+
+
+FORKED_CORE_OWNER = """
+import json, os, sys, time
+import envoykit as ek
+from envoykit import forkserver
+if __name__ == "__main__":
+    engine = ek.Engine("tiny", tensor_parallel_size=2, progress=False)
+    result = engine.lens("The capital of France is", targets=[" Paris"], top_k=3)
+    names = sorted(p.name() for p in engine.processes)
+    engine.close()
+    engine = ek.Engine("tiny", tensor_parallel_size=2, progress=False)
+    print(json.dumps({
+        "probs": result.target_probs.tolist(), "names": names,
+        "server": forkserver.running(), "running": [p.pid for p in engine.processes],
+    }), flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.engine
+def test_engine_core_forked_from_the_fork_server(tiny2, tmp_path):
+    """``ENVOYKIT_FORK_CORE=1``: the engine core is forked from a preloaded fork server. The
+    lens equals a spawned core's, vLLM names the processes, a second engine starts from the
+    same server, and a SIGKILLed owner takes the server and the running engine with it,
+    leaving no segment behind."""
+    script = tmp_path / "owner.py"
+    script.write_text(FORKED_CORE_OWNER)
+    before = leftovers()
+    owner = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**os.environ, forkserver.FORK_CORE: "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        report = json.loads(owner.stdout.readline())
+    finally:
+        owner.kill()
+        owner.wait()
+    spawned = tiny2.lens("The capital of France is", targets=[" Paris"], top_k=3)
+    np.testing.assert_allclose(report["probs"], spawned.target_probs, atol=1e-6)
+    assert report["names"] == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+    assert len(report["server"]) == 1
+    assert_gone_within(report["server"] + report["running"], 30)
+    assert_nothing_left_within(before, 30)

@@ -4,10 +4,12 @@ Spawned, an engine core starts a fresh interpreter and imports torch, vLLM, nnsi
 envoykit's worker: 6.6 s of a 20 s start of ``demo`` at TP=1 on two cores, paid after the
 owner's own imports of the same modules. Python's fork server (``multiprocessing.forkserver``)
 is one process per owner that imports them once (`PRELOAD`) and forks each engine core from
-there. An engine starts it first thing (`start`), so its imports run beside the owner's on
-another core, and every later engine of the same owner (a restart, the next test) forks its
-core at once. Like Python's resource tracker it lives as long as its owner: it exits when the
-owner does, and `envoykit.cleanup` leaves it alone.
+there. Asked for (``ENVOYKIT_FORK_CORE=1``), an engine starts it first thing (`start`), so
+its imports run beside the owner's on another core, and every later engine of the same owner
+(a restart, the next test) forks its core at once. Like Python's resource tracker it lives
+as long as its owner: it exits when the owner does, and `envoykit.cleanup` leaves it alone.
+Its preload list is the process's one: an owner that uses the fork server for its own work
+gets these imports too.
 
 Forking the owner itself would be quicker still, but an owner is a Jupyter kernel: threads,
 sockets, shared memory of the user's, and GNU OpenMP's thread pool, which does not survive
@@ -48,7 +50,7 @@ PRELOAD = [
 
 
 def enabled() -> bool:
-    """Asked for in this process's environment: not the default yet (see README, "Start")."""
+    """Asked for in this process's environment; not the default yet (the README says why)."""
     return os.environ.get(FORK_CORE) == "1"
 
 

@@ -92,7 +92,7 @@ class _EngineCore(multiprocessing.context.ForkServerProcess):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         start()
-        self._server = forkserver._forkserver._forkserver_pid
+        (self._server,) = running()
         self._environ = dict(os.environ)
 
     def run(self) -> None:

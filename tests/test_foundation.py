@@ -356,7 +356,7 @@ def test_environment_yml_names_the_lock_pins():
 
 
 FORKED_CORE_OWNER = """
-import json, os, sys, time
+import json, time
 import envoykit as ek
 from envoykit import forkserver
 if __name__ == "__main__":
@@ -368,6 +368,7 @@ if __name__ == "__main__":
     print(json.dumps({
         "probs": result.target_probs.tolist(), "names": names,
         "server": forkserver.running(), "running": [p.pid for p in engine.processes],
+        "core_parent": [p.ppid() for p in engine.processes if p.name() == "VLLM::EngineCore"],
     }), flush=True)
     time.sleep(600)
 """
@@ -397,5 +398,6 @@ def test_engine_core_forked_from_the_fork_server(tiny2, tmp_path):
     np.testing.assert_allclose(report["probs"], spawned.target_probs, atol=1e-6)
     assert report["names"] == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
     assert len(report["server"]) == 1
+    assert report["core_parent"] == report["server"]  # the second engine's core, too
     assert_gone_within(report["server"] + report["running"], 30)
     assert_nothing_left_within(before, 30)

@@ -4,12 +4,12 @@ Spawned, an engine core starts a fresh interpreter and imports torch, vLLM, nnsi
 envoykit's worker: 6.6 s of a 20 s start of ``demo`` at TP=1 on two cores, paid after the
 owner's own imports of the same modules. Python's fork server (``multiprocessing.forkserver``)
 is one process per owner that imports them once (`PRELOAD`) and forks each engine core from
-there. Asked for (``ENVOYKIT_FORK_CORE=1``), an engine starts it first thing (`start`), so
-its imports run beside the owner's on another core, and every later engine of the same owner
-(a restart, the next test) forks its core at once. Like Python's resource tracker it lives
-as long as its owner: it exits when the owner does, and `envoykit.cleanup` leaves it alone.
-Its preload list is the process's one: an owner that uses the fork server for its own work
-gets these imports too.
+there. On the CPU an engine starts it first thing (`start`), so its imports run beside the
+owner's on another core, and every later engine of the same owner (a restart, the next test)
+forks its core at once; ``ENVOYKIT_FORK_CORE=0`` spawns the core as vLLM does. Like Python's
+resource tracker the server lives as long as its owner: it exits when the owner does, and
+`envoykit.cleanup` leaves it alone. Its preload list is the process's one: an owner that
+uses the fork server for its own work gets these imports too.
 
 Forking the owner itself would be quicker still, but an owner is a Jupyter kernel: threads,
 sockets, shared memory of the user's, and GNU OpenMP's thread pool, which does not survive
@@ -36,7 +36,7 @@ from typing import Any
 
 from envoykit import lifeline, logs
 
-# "1" forks engine cores from the fork server; unset or "0", they are spawned as vLLM does.
+# "0" spawns engine cores as vLLM does; unset or "1", they are forked from the fork server.
 FORK_CORE = "ENVOYKIT_FORK_CORE"
 # What an engine core imports before it reads its config: vLLM's engine core and executor,
 # and through the worker module torch, nnsight and the model's vLLM classes; first, torch and
@@ -50,8 +50,9 @@ PRELOAD = [
 
 
 def enabled() -> bool:
-    """Asked for in this process's environment; not the default yet (the README says why)."""
-    return os.environ.get(FORK_CORE) == "1"
+    """Not turned off in this process's environment (read at each start, so a test or a
+    user can spawn one engine's core and fork the next one's)."""
+    return os.environ.get(FORK_CORE, "1") != "0"
 
 
 def start() -> None:

@@ -15,8 +15,8 @@ import pytest
 
 import envoykit as ek
 
-# The engine's processes (the engine core spawned, its ranks forked from it) must not inherit
-# pytest's capture.
+# The engine's processes (the engine core forked from the fork server, its ranks from the
+# core) must not inherit pytest's capture.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

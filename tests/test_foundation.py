@@ -356,48 +356,55 @@ def test_environment_yml_names_the_lock_pins():
 
 
 FORKED_CORE_OWNER = """
-import json, time
+import json, os, time
 import envoykit as ek
 from envoykit import forkserver
-if __name__ == "__main__":
-    engine = ek.Engine("tiny", tensor_parallel_size=2, progress=False)
+
+def lens_and_core(engine):
     result = engine.lens("The capital of France is", targets=[" Paris"], top_k=3)
-    names = sorted(p.name() for p in engine.processes)
-    engine.close()
+    (core,) = [p for p in engine.processes if p.name() == "VLLM::EngineCore"]
+    return result.target_probs.tolist(), core.ppid()
+
+if __name__ == "__main__":
+    with ek.Engine("tiny", tensor_parallel_size=2, progress=False) as engine:
+        forked, forked_parent = lens_and_core(engine)
+        names = sorted(p.name() for p in engine.processes)
+    os.environ[forkserver.FORK_CORE] = "0"
+    with ek.Engine("tiny", tensor_parallel_size=2, progress=False) as engine:
+        spawned, spawned_parent = lens_and_core(engine)
+    del os.environ[forkserver.FORK_CORE]
     engine = ek.Engine("tiny", tensor_parallel_size=2, progress=False)
     print(json.dumps({
-        "probs": result.target_probs.tolist(), "names": names,
+        "forked": forked, "spawned": spawned, "names": names, "owner": os.getpid(),
         "server": forkserver.running(), "running": [p.pid for p in engine.processes],
-        "core_parent": [p.ppid() for p in engine.processes if p.name() == "VLLM::EngineCore"],
+        "core_parents": [forked_parent, spawned_parent, lens_and_core(engine)[1]],
     }), flush=True)
     time.sleep(600)
 """
 
 
 @pytest.mark.engine
-def test_engine_core_forked_from_the_fork_server(tiny2, tmp_path):
-    """``ENVOYKIT_FORK_CORE=1``: the engine core is forked from a preloaded fork server. The
-    lens equals a spawned core's, vLLM names the processes, a second engine starts from the
-    same server, and a SIGKILLed owner takes the server and the running engine with it,
-    leaving no segment behind."""
+def test_engine_core_forked_from_the_fork_server(tmp_path):
+    """On the CPU the engine core is forked from a preloaded fork server, unless
+    ``ENVOYKIT_FORK_CORE=0`` spawns it. In one owner: a forked core's lens equals a spawned
+    core's, vLLM names the processes, the engine after the spawned one forks from the same
+    server, and a SIGKILLed owner takes the server and the running engine with it, leaving
+    no segment behind."""
     script = tmp_path / "owner.py"
     script.write_text(FORKED_CORE_OWNER)
     before = leftovers()
+    environment = {k: v for k, v in os.environ.items() if k != forkserver.FORK_CORE}
     owner = subprocess.Popen(
-        [sys.executable, str(script)],
-        env={**os.environ, forkserver.FORK_CORE: "1"},
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, str(script)], env=environment, stdout=subprocess.PIPE, text=True
     )
     try:
         report = json.loads(owner.stdout.readline())
     finally:
         owner.kill()
         owner.wait()
-    spawned = tiny2.lens("The capital of France is", targets=[" Paris"], top_k=3)
-    np.testing.assert_allclose(report["probs"], spawned.target_probs, atol=1e-6)
+    np.testing.assert_allclose(report["forked"], report["spawned"], atol=1e-6)
     assert report["names"] == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
-    assert len(report["server"]) == 1
-    assert report["core_parent"] == report["server"]  # the second engine's core, too
+    (server,) = report["server"]
+    assert report["core_parents"] == [server, report["owner"], server]
     assert_gone_within(report["server"] + report["running"], 30)
     assert_nothing_left_within(before, 30)

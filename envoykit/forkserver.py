@@ -7,8 +7,9 @@ is one process per owner that imports them once (`PRELOAD`) and forks each engin
 there. On the CPU an engine starts it first thing (`start`), so its imports run beside the
 owner's on another core, and every later engine of the same owner (a restart, the next test)
 forks its core at once; ``ENVOYKIT_FORK_CORE=0`` spawns the core as vLLM does. Like Python's
-resource tracker the server lives as long as its owner: it exits when the owner does, and
-`envoykit.cleanup` leaves it alone. Its preload list is the process's one: an owner that
+resource tracker the server lives as long as its owner: it exits when the owner does, a
+janitor removes its socket's directory after a killed owner, and `envoykit.cleanup` leaves
+both alone. Its preload list is the process's one: an owner that
 uses the fork server for its own work gets these imports too.
 
 Forking the owner itself would be quicker still, but an owner is a Jupyter kernel: threads,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import multiprocessing.context
+import multiprocessing.util
 import os
 import tempfile
 from collections.abc import Iterator
@@ -35,6 +37,7 @@ from multiprocessing import forkserver
 from typing import Any
 
 from envoykit import lifeline, logs
+from envoykit.janitor import Janitor
 
 # "0" spawns engine cores as vLLM does; unset or "1", they are forked from the fork server.
 FORK_CORE = "ENVOYKIT_FORK_CORE"
@@ -66,12 +69,37 @@ def start() -> None:
     """
     forkserver.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
+    _watch_server()
 
 
 def running() -> list[int]:
-    """The fork server's process id, if this process has started one."""
-    pid = forkserver._forkserver._forkserver_pid
-    return [] if pid is None else [pid]
+    """The processes this process's fork server keeps for the owner's life: the server and
+    its janitor (`_watch_server`); empty if no server was started."""
+    return [] if _watched is None else [_watched[0], _watched[1].pid]
+
+
+# The fork server (its process id) and the janitor that cleans up after it.
+_watched: tuple[int, Janitor] | None = None
+
+
+def _watch_server() -> None:
+    """Start a janitor that removes the server's temporary directory once the owner is gone.
+
+    The server listens on a socket in the owner's multiprocessing temporary directory
+    (``pymp-*``), which Python removes only when the owner exits normally: every kernel
+    killed from its manager would leave one behind. One janitor per server; a server that
+    died and was started again gets a new one.
+    """
+    global _watched
+    import psutil
+
+    server = forkserver._forkserver._forkserver_pid
+    if _watched is not None and _watched[0] == server:
+        return
+    others = [p.pid for p in psutil.Process().children(recursive=True) if p.pid != server]
+    janitor = Janitor([multiprocessing.util.get_temp_dir()], existing=others)
+    janitor.watch([server], [])
+    _watched = (server, janitor)
 
 
 @contextlib.contextmanager
@@ -93,7 +121,7 @@ class _EngineCore(multiprocessing.context.ForkServerProcess):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         start()
-        (self._server,) = running()
+        self._server = forkserver._forkserver._forkserver_pid
         self._environ = dict(os.environ)
 
     def run(self) -> None:

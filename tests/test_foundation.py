@@ -356,7 +356,7 @@ def test_environment_yml_names_the_lock_pins():
 
 
 FORKED_CORE_OWNER = """
-import json, os, time
+import json, multiprocessing.util, os, time
 import envoykit as ek
 from envoykit import forkserver
 
@@ -376,7 +376,8 @@ if __name__ == "__main__":
     engine = ek.Engine("tiny", tensor_parallel_size=2, progress=False)
     print(json.dumps({
         "forked": forked, "spawned": spawned, "names": names, "owner": os.getpid(),
-        "server": forkserver.running(), "running": [p.pid for p in engine.processes],
+        "kept": forkserver.running(), "running": [p.pid for p in engine.processes],
+        "temporary": multiprocessing.util.get_temp_dir(),
         "core_parents": [forked_parent, spawned_parent, lens_and_core(engine)[1]],
     }), flush=True)
     time.sleep(600)
@@ -389,7 +390,7 @@ def test_engine_core_forked_from_the_fork_server(tmp_path):
     ``ENVOYKIT_FORK_CORE=0`` spawns it. In one owner: a forked core's lens equals a spawned
     core's, vLLM names the processes, the engine after the spawned one forks from the same
     server, and a SIGKILLed owner takes the server and the running engine with it, leaving
-    no segment behind."""
+    no segment behind, and the server's janitor removes its socket's directory."""
     script = tmp_path / "owner.py"
     script.write_text(FORKED_CORE_OWNER)
     before = leftovers()
@@ -404,7 +405,9 @@ def test_engine_core_forked_from_the_fork_server(tmp_path):
         owner.wait()
     np.testing.assert_allclose(report["forked"], report["spawned"], atol=1e-6)
     assert report["names"] == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
-    (server,) = report["server"]
+    server, _janitor = report["kept"]
     assert report["core_parents"] == [server, report["owner"], server]
-    assert_gone_within(report["server"] + report["running"], 30)
+    assert os.path.isdir(report["temporary"])  # the janitor's work: gone below
+    assert_gone_within(report["kept"] + report["running"], 30)
     assert_nothing_left_within(before, 30)
+    assert not os.path.exists(report["temporary"])

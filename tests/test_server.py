@@ -13,10 +13,12 @@ import contextlib
 import os
 import queue
 import re
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -42,6 +44,10 @@ class Server:
 
     def __init__(self, log_dir: Path, *options: str) -> None:
         self.stderr_path = log_dir / "serve.stderr"
+        # The server's temporary files (its engine's scratch directory, its fork server's
+        # socket) in a directory of its own, so what a kill leaves there is plain to see;
+        # short, as the sockets' paths must be.
+        self.temporary = tempfile.mkdtemp(prefix="ek-serve-")
         command = [sys.executable, "-m", "envoykit.cli", "serve", "--model", "tiny", "--tp", "2"]
         self.process = subprocess.Popen(
             [*command, "--port", "0", *options],
@@ -49,6 +55,7 @@ class Server:
             stderr=self.stderr_path.open("w"),
             text=True,
             cwd=ROOT,
+            env={**os.environ, "TMPDIR": self.temporary},
         )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -71,7 +78,13 @@ class Server:
         engine = [p for p in self.descendants() if p.name().startswith("VLLM::")]
         self.engine_pids += [p.pid for p in engine]
         self.segments |= {f"/dev/shm/{name}" for name in mapped_segments(set(engine))}
-        self.scratch |= {_environ(p.pid).get("TMPDIR") for p in engine} - {None}
+        self.scratch |= {path for path in self.temporaries() if "envoykit-" in path}
+
+    def temporaries(self) -> list[str]:
+        """What is in the server's temporary directory, less torch's compile cache (one per
+        user, made on import and shared by every later process)."""
+        names = [n for n in os.listdir(self.temporary) if not n.startswith("torchinductor_")]
+        return [os.path.join(self.temporary, name) for name in names]
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -93,7 +106,7 @@ class Server:
         return tokens.find(self.url).token
 
     def assert_nothing_left(self, seconds: float) -> None:
-        """No engine process, shared-memory segment, scratch directory or token record."""
+        """No engine process, shared-memory segment, temporary file or token record."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and self.leftovers():
             time.sleep(0.25)
@@ -105,8 +118,8 @@ class Server:
 
     def leftovers(self) -> list:
         alive = [pid for pid in self.engine_pids if _alive(pid)]
-        paths = [p for p in (*self.segments, *self.scratch, str(self.record)) if os.path.exists(p)]
-        return alive + paths
+        paths = [p for p in (*self.segments, str(self.record)) if os.path.exists(p)]
+        return alive + paths + self.temporaries()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -116,6 +129,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        shutil.rmtree(self.temporary, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -123,12 +137,6 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def _environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as file:
-        pairs = [item.split(b"=", 1) for item in file.read().split(b"\0") if b"=" in item]
-    return {key.decode(): value.decode() for key, value in pairs}
 
 
 @pytest.fixture(scope="module")

@@ -100,18 +100,21 @@ def _reduce_positions(
     per_call = layers_per_call(n_pos, largest, budget)
     # The final layer's chunk goes first: every chunk needs its distribution for KL.
     chunks = [rows[max(0, end - per_call) : end] for end in range(len(rows), 0, -per_call)]
-    final_logp = None
+    final_logp = final_probs = None
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
         logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
-        largest_logit, log_sum, top_logp, top_ids, target_logp, probs = vocab_parallel.summaries(
+        largest_logit, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
             shard, logits, top_k, targets
         )
         # This rank's slice of the log-probs, in place: (logit - largest) - log_sum.
         logp = logits.sub_(largest_logit.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
         if final_logp is None:
             final_logp = logp[-1].clone()
-        entropy, kl, ranks = vocab_parallel.sums(shard, logp, probs, final_logp, target_logp)
+            final_probs = final_logp.exp()
+        entropy, kl, ranks = vocab_parallel.sums(
+            shard, logp, (final_logp, final_probs), target_logp
+        )
         # 32-bit throughout: what crosses to the client is 4 bytes per number.
         pieces.append(
             {
@@ -126,7 +129,7 @@ def _reduce_positions(
         # This chunk's logits go before the next chunk's exist: held across the next head
         # call, they added a chunk to the peak (a second long demo lens at TP=3: a rank's
         # peak rose up to 169 MiB above its start with them, up to 84 MiB without).
-        del logits, logp, probs
+        del logits, logp
     pieces.reverse()
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
 

@@ -9,8 +9,8 @@ owner's on another core, and every later engine of the same owner (a restart, th
 forks its core at once; ``ENVOYKIT_FORK_CORE=0`` spawns the core as vLLM does. Like Python's
 resource tracker the server lives as long as its owner: it exits when the owner does, a
 janitor removes its socket's directory after a killed owner, and `envoykit.cleanup` leaves
-both alone. Its preload list is the process's one: an owner that
-uses the fork server for its own work gets these imports too.
+both alone. Its preload list is the process's one: an owner that uses the fork server for
+its own work gets these imports too.
 
 Forking the owner itself would be quicker still, but an owner is a Jupyter kernel: threads,
 sockets, shared memory of the user's, and GNU OpenMP's thread pool, which does not survive

@@ -101,9 +101,10 @@ def sums(
     cancel when a layer is close to the final one), in one reused buffer: a fresh
     full-vocab tensor costs as much to fault in as to compute.
     """
-    # A second exp rather than `summaries`' exponentials rescaled: held from there to here
-    # they left the heap so fragmented that a rank's peak rose 1.7-2.0 GiB above its start
-    # in a 768-token demo lens at TP=3 (0.6-0.7 GiB this way), for 15% of these reductions.
+    # A second exp rather than `summaries`' exponentials rescaled: that saved 15% of these
+    # reductions, but held from there to here the exponentials left the heap so fragmented
+    # that a rank's peak rose 1.7-2.0 GiB above its start in a 768-token demo lens at TP=3
+    # (0.6-0.7 GiB this way).
     scratch = logp.exp().mul_(logp)
     entropy = -scratch.sum(-1)
     final_logp, final_probs = final

@@ -96,6 +96,30 @@ def choose_tp(config: dict, requested: int | None, platform_name: str) -> int:
     return requested
 
 
+def _refuse_unknown_arguments(engine_kwargs: dict[str, Any]) -> None:
+    """Refuse an argument neither ``vllm.LLM`` nor its ``EngineArgs`` takes, before the
+    engine's processes start: passed on, it fails inside nnsight's meta build as a
+    ``TypeError`` from ``EngineArgs`` with a rank prefix (``tp=2`` for
+    ``tensor_parallel_size=2``, say)."""
+    import dataclasses
+    import inspect
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {field.name for field in dataclasses.fields(EngineArgs)}
+    for name, parameter in inspect.signature(LLM.__init__).parameters.items():
+        if name != "self" and parameter.kind != parameter.VAR_KEYWORD:  # **kwargs: EngineArgs
+            known.add(name)
+    unknown = sorted(set(engine_kwargs) - known)
+    if unknown:
+        raise InvalidRequest(
+            f"unknown engine argument(s) {', '.join(map(repr, unknown))}: an engine takes "
+            "envoykit's own (tensor_parallel_size, dtype, max_model_len, log_level, progress) "
+            "and those of vllm.LLM and vllm.EngineArgs"
+        )
+
+
 class Engine(EngineSurface):
     """A tensor-parallel vLLM engine whose modules are nnsight envoys.
 
@@ -217,6 +241,7 @@ class Engine(EngineSurface):
         with platform.environment(env, forced=forced):
             from envoykit.envoys import EnvoykitVLLM
 
+            _refuse_unknown_arguments(self._engine_kwargs)
             workers.prepare_client()
             steps.update()
             steps.set_description(f"{self._source.name}: starting {self._tp} rank(s)")

@@ -114,6 +114,7 @@ class TestConstructionErrors:
             ("tiny", {"tensor_parallel_size": 0}, "positive integer"),
             ("tiny", {"dtype": "float8"}, "unknown dtype"),
             ("tiny", {"log_level": "LOUD"}, "unknown log level"),
+            ("tiny", {"tp": 2}, r"unknown engine argument\(s\) 'tp'.*tensor_parallel_size"),
         ],
     )
     def test_refused_without_starting_ranks(self, model, kwargs, message):

@@ -97,26 +97,30 @@ def choose_tp(config: dict, requested: int | None, platform_name: str) -> int:
 
 
 def _refuse_unknown_arguments(engine_kwargs: dict[str, Any]) -> None:
-    """Refuse an argument neither ``vllm.LLM`` nor its ``EngineArgs`` takes, before the
-    engine's processes start: passed on, it fails inside nnsight's meta build as a
-    ``TypeError`` from ``EngineArgs`` with a rank prefix (``tp=2`` for
-    ``tensor_parallel_size=2``, say)."""
+    """Refuse an argument that neither nnsight's ``VLLM`` (``mode``, ``taps``, its envoy
+    options), ``vllm.LLM`` nor vLLM's ``AsyncEngineArgs`` takes, before the engine's
+    processes start: passed on, it fails inside nnsight's meta build as a ``TypeError``
+    from ``EngineArgs`` with a rank prefix (``tp=2`` for ``tensor_parallel_size=2``, say)."""
     import dataclasses
     import inspect
 
+    from nnsight.modeling.mixins.loadable import _ENVOY_KWARGS
+    from nnsight.modeling.vllm import VLLM
     from vllm import LLM
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
-    known = {field.name for field in dataclasses.fields(EngineArgs)}
-    for name, parameter in inspect.signature(LLM.__init__).parameters.items():
-        if name != "self" and parameter.kind != parameter.VAR_KEYWORD:  # **kwargs: EngineArgs
-            known.add(name)
+    known = {field.name for field in dataclasses.fields(AsyncEngineArgs)} | _ENVOY_KWARGS
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for function in (LLM.__init__, VLLM.__init__):
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name != "self" and parameter.kind not in variadic:
+                known.add(name)
     unknown = sorted(set(engine_kwargs) - known)
     if unknown:
         raise InvalidRequest(
             f"unknown engine argument(s) {', '.join(map(repr, unknown))}: an engine takes "
             "envoykit's own (tensor_parallel_size, dtype, max_model_len, log_level, progress) "
-            "and those of vllm.LLM and vllm.EngineArgs"
+            "and those of nnsight's VLLM, vllm.LLM and vllm.AsyncEngineArgs"
         )
 
 

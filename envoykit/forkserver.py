@@ -78,6 +78,11 @@ def running() -> list[int]:
     return [] if _watched is None else [_watched[0], _watched[1].pid]
 
 
+def _server_pid() -> int | None:
+    """The process id of this process's fork server (Python's own record of it)."""
+    return forkserver._forkserver._forkserver_pid
+
+
 # The fork server (its process id) and the janitor that cleans up after it.
 _watched: tuple[int, Janitor] | None = None
 
@@ -93,7 +98,7 @@ def _watch_server() -> None:
     global _watched
     import psutil
 
-    server = forkserver._forkserver._forkserver_pid
+    server = _server_pid()
     if _watched is not None and _watched[0] == server:
         return
     others = [p.pid for p in psutil.Process().children(recursive=True) if p.pid != server]
@@ -121,7 +126,7 @@ class _EngineCore(multiprocessing.context.ForkServerProcess):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         start()
-        self._server = forkserver._forkserver._forkserver_pid
+        self._server = _server_pid()
         self._environ = dict(os.environ)
 
     def run(self) -> None:

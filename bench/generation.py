@@ -41,7 +41,7 @@ import torch
 from timing import median_seconds
 
 import envoykit as ek
-from envoykit.readout import at
+from envoykit.model.readout import at
 
 TARGET = " Paris"
 # Greedy decoding of this continues for well over 65 tokens on demo without an end token.

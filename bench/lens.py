@@ -18,8 +18,8 @@ unembedding keeps memory flat in T. Each engine starts once per TP size and the 
 model loads once; the transformers lens runs first, with no engine alive (see `sweep`).
 
 The ranks allocate large tensors on transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, see
-``envoykit/platform.py``); this process sets the same before torch loads, so the transformers
-lens and the matmul get the same allocator.
+``envoykit/runtime/platform.py``); this process sets the same before torch loads, so the
+transformers lens and the matmul get the same allocator.
 
     python bench/lens.py --model demo --tp 3 --repeats 5
     python bench/lens.py --sweep --tps 1,3 --repeats 3
@@ -42,7 +42,7 @@ import torch
 from timing import median_seconds
 
 import envoykit as ek
-from envoykit.platform import usable_cpus
+from envoykit.runtime.platform import usable_cpus
 
 TARGET = " Paris"
 PROMPT = "The capital of France is a city with a long history, and its name is"
@@ -334,7 +334,7 @@ def sweep(args: argparse.Namespace) -> None:
     import psutil
     from transformers import AutoTokenizer
 
-    from envoykit import models
+    from envoykit.runtime import models
 
     lengths = [int(t) for t in args.lengths.split(",")]
     tps = [int(t) for t in args.tps.split(",")]

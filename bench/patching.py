@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the ranks do (envoykit/platform.py)
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the ranks do (envoykit/runtime/platform.py)
 
 from timing import median_seconds
 

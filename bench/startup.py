@@ -3,9 +3,9 @@
 Each start runs in a fresh Python process (so every import is paid as a user pays it), one
 after the other: envoykit at TP=1, envoykit at ``--tp N`` when asked, and a plain
 ``vllm.LLM`` of the same checkpoint with the settings envoykit passes (path from
-``envoykit.models.resolve``, float32, envoykit's ``max_model_len`` and KV-cache bytes, the CPU
-variables of ``platform.rank_environment``, chunked prefill and prefix caching off, eager),
-but vLLM's own worker and without envoykit's vLLM plugin (``envoykit.lifeline``, which vLLM
+``envoykit.runtime.models.resolve``, float32, envoykit's ``max_model_len`` and KV-cache bytes, the
+CPU variables of ``platform.rank_environment``, chunked prefill and prefix caching off, eager),
+but vLLM's own worker and without envoykit's vLLM plugin (``envoykit.runtime.lifeline``, which vLLM
 would otherwise load in every process of any engine on this machine). The parts come from
 three clocks that agree (wall time since the epoch): the owner's own clock around each step
 (timing wrappers installed in the bench process, envoykit's code unchanged), the start time of
@@ -58,7 +58,7 @@ NNSIGHT_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 # (anchor, the part that ends at it), in the order they happen in a start.
 PARTS = [
-    ("imports_done", "owner: import vllm + nnsight (envoykit.cpu)"),
+    ("imports_done", "owner: import vllm + nnsight (envoykit.ranks.cpu)"),
     ("gloo_done", "owner: nnsight's single-rank gloo group"),
     ("meta_done", "owner: nnsight meta tree + tokenizer"),
     ("llm_enter", "owner: rest before vllm.LLM()"),
@@ -197,7 +197,7 @@ class _Clock:
 def _logging_config(path: str) -> str:
     """A vLLM logging config in envoykit's format (INFO and up to ``path``, errors on screen).
 
-    A copy of `envoykit.logs.configure`'s, not a call to it: importing envoykit loads torch,
+    A copy of `envoykit.runtime.logs.configure`'s, not a call to it: importing envoykit loads torch,
     which the plain start would then not pay for in its own timed imports.
     """
     fmt = "%(levelname)s %(asctime)s [pid %(process)d] %(name)s: %(message)s"
@@ -234,7 +234,7 @@ def run_envoykit(spec: dict, clock: _Clock) -> dict:
 
     marks["import_envoykit_done"] = time.time()
     marks["import_envoykit"] = marks["import_envoykit_done"] - began
-    from envoykit import platform
+    from envoykit.runtime import platform
 
     worker_module = platform.worker_module
 
@@ -245,7 +245,7 @@ def run_envoykit(spec: dict, clock: _Clock) -> dict:
         import vllm
         from nnsight.modeling.vllm.vllm import VLLM
 
-        from envoykit import envoys
+        from envoykit.model import envoys
 
         clock.wrap(VLLM, "_init_distributed", None, "gloo_done")
         clock.wrap(envoys.EnvoykitVLLM, "_load_meta", None, "meta_done")
@@ -419,7 +419,8 @@ def wait_for_quiet(below: float | None, most: float) -> float:
 
 def settings(model: str, tps: list[int]) -> dict:
     """What envoykit passes to vLLM for ``model``, for the plain start to pass too."""
-    from envoykit import engine, models, platform
+    from envoykit import engine
+    from envoykit.runtime import models, platform
 
     source = models.resolve(model)
     config = models.read_config(source)
@@ -494,7 +495,7 @@ def main() -> None:
             "vllm.v1.engine.core",
             "vllm.v1.executor.multiproc_executor",
             "vllm.v1.worker.cpu_worker",
-            "envoykit.cpu",
+            "envoykit.ranks.cpu",
         ]
         import_costs(modules, top=6)
         return

@@ -5,10 +5,10 @@ and return whole tensors; a logit lens runs on the ranks and ships back only wha
 """
 
 from envoykit import plot
-from envoykit.attribution_result import AttributionResult
-from envoykit.compare import Run, compare
-from envoykit.compare_result import CompareResult
-from envoykit.engine import Engine, ModelInfo
+from envoykit.analyses.compare import Run, compare
+from envoykit.analyses.patching import Patch
+from envoykit.analyses.tuned import LensQuality, TunedLens
+from envoykit.engine import Engine
 from envoykit.errors import (
     EngineDead,
     EnvoykitError,
@@ -16,10 +16,11 @@ from envoykit.errors import (
     ServerUnavailable,
     ShardedValue,
 )
-from envoykit.patching import Patch
-from envoykit.result import LensResult, TargetTrace
-from envoykit.sweep_result import SweepResult
-from envoykit.tuned import LensQuality, TunedLens
+from envoykit.results.attribution import AttributionResult
+from envoykit.results.compare import CompareResult
+from envoykit.results.lens import LensResult, TargetTrace
+from envoykit.results.sweep import SweepResult
+from envoykit.runtime.info import ModelInfo
 
 __all__ = [
     "AttributionResult",
@@ -55,7 +56,7 @@ def __getattr__(name: str):
         return LensExplorer
     # The client needs nnsight's vLLM wrapper (about a second to import): on first use too.
     if name == "connect":
-        from envoykit.client import connect
+        from envoykit.serve.client import connect
 
         return connect
     raise AttributeError(f"module 'envoykit' has no attribute {name!r}")

@@ -138,7 +138,7 @@ def _serve(args: argparse.Namespace, passed_on: list[str]) -> int:
     from nnsight.modeling.vllm.serve.cli import _parse_vllm_args
 
     from envoykit import EnvoykitError
-    from envoykit.server import serve
+    from envoykit.serve.server import serve
 
     try:
         status = serve(
@@ -204,7 +204,7 @@ def _print_lens(engine, args: argparse.Namespace) -> None:
 
 def _tune(engine, args: argparse.Namespace) -> None:
     from envoykit import TunedLens
-    from envoykit.tuned import default_path, offline_texts
+    from envoykit.analyses.tuned import default_path, offline_texts
 
     train, held_out = offline_texts()
     tuned = TunedLens.train(engine, train, max_seconds=args.minutes * 60)

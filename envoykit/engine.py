@@ -4,9 +4,9 @@ One object owns the engine's processes for its whole lifetime: it picks the plat
 tensor-parallel size, checks the request before any rank starts, keeps vLLM's log out of the
 notebook, serialises requests from several threads, and closes every rank process and shared
 memory segment on ``close()``, on garbage collection and at interpreter exit (see
-`envoykit.cleanup`). Ranks also die with the owning process if it is killed (see
-`envoykit.lifeline`), and a janitor process unlinks their shared memory then (see
-`envoykit.janitor`).
+`envoykit.runtime.cleanup`). Ranks also die with the owning process if it is killed (see
+`envoykit.runtime.lifeline`), and a janitor process unlinks their shared memory then (see
+`envoykit.runtime.janitor`).
 """
 
 from __future__ import annotations
@@ -18,110 +18,26 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from envoykit import forkserver, logs, models, platform
-from envoykit.cleanup import SHM as _SHM
-from envoykit.cleanup import descendants as _descendants
-from envoykit.cleanup import engine_semaphores as _engine_semaphores
-from envoykit.cleanup import mapped_segments as _mapped_segments
-from envoykit.cleanup import shutdown as _shutdown
-from envoykit.cleanup import stop as _stop
+from envoykit.analyses.surface import EngineSurface
 from envoykit.errors import EngineDead, InvalidRequest
-from envoykit.janitor import Janitor
-from envoykit.surface import EngineSurface
+from envoykit.runtime import forkserver, logs, models, platform
+from envoykit.runtime.cleanup import SHM as _SHM
+from envoykit.runtime.cleanup import descendants as _descendants
+from envoykit.runtime.cleanup import engine_semaphores as _engine_semaphores
+from envoykit.runtime.cleanup import mapped_segments as _mapped_segments
+from envoykit.runtime.cleanup import shutdown as _shutdown
+from envoykit.runtime.cleanup import stop as _stop
+from envoykit.runtime.info import DTYPES, ModelInfo, choose_tp, refuse_unknown_arguments
+from envoykit.runtime.janitor import Janitor
 
 if TYPE_CHECKING:
-    from envoykit.tuned import TunedLens
+    from envoykit.analyses.tuned import TunedLens
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Enough KV cache for a few prompts of max_model_len tokens on the built-in models.
 _DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 _DEFAULT_MAX_MODEL_LEN = 1024
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine is running: the model's shape and how it is split."""
-
-    name: str
-    path: str
-    n_layers: int
-    d_model: int
-    vocab: int
-    n_heads: int
-    n_kv_heads: int
-    tp: int
-    platform: str
-    dtype: str
-    max_model_len: int
-
-
-def valid_tp_sizes(config: dict) -> list[int]:
-    """TP sizes vLLM can split this model into: heads, KV heads and MLP width must divide."""
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    width = config.get("intermediate_size")
-    return [
-        tp
-        for tp in range(1, heads + 1)
-        if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0) and (not width or width % tp == 0)
-    ]
-
-
-def choose_tp(config: dict, requested: int | None, platform_name: str) -> int:
-    """The requested TP size, checked; or the largest the model allows that gives every rank
-    a device of its own (a GPU, or a CPU core: see `platform.default_ranks`)."""
-    valid = valid_tp_sizes(config)
-    limit = platform.max_ranks(platform_name)
-    if requested is None:
-        fitting = [tp for tp in valid if tp <= platform.default_ranks(platform_name)]
-        return max(fitting) if fitting else 1
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise InvalidRequest(f"tensor_parallel_size must be a positive integer, not {requested!r}")
-    if requested not in valid:
-        raise InvalidRequest(
-            f"tensor_parallel_size={requested} does not split this model: its "
-            f"{config['num_attention_heads']} attention heads, "
-            f"{config.get('num_key_value_heads') or config['num_attention_heads']} KV heads and "
-            f"MLP width must divide evenly. Valid sizes: {valid}"
-        )
-    if requested > limit:
-        unit = "GPUs" if platform_name == "cuda" else f"ranks ({len(platform.usable_cpus())} cores)"
-        raise InvalidRequest(
-            f"tensor_parallel_size={requested} is more than this machine hosts: at most {limit} "
-            f"{unit}. Valid sizes that fit: {[tp for tp in valid if tp <= limit]}"
-        )
-    return requested
-
-
-def _refuse_unknown_arguments(engine_kwargs: dict[str, Any]) -> None:
-    """Refuse an argument that neither nnsight's ``VLLM`` (``mode``, ``taps``, its envoy
-    options), ``vllm.LLM`` nor vLLM's ``AsyncEngineArgs`` takes, before the engine's
-    processes start: passed on, it fails inside nnsight's meta build as a ``TypeError``
-    from ``EngineArgs`` with a rank prefix (``tp=2`` for ``tensor_parallel_size=2``, say)."""
-    import dataclasses
-    import inspect
-
-    from nnsight.modeling.mixins.loadable import _ENVOY_KWARGS
-    from nnsight.modeling.vllm import VLLM
-    from vllm import LLM
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    known = {field.name for field in dataclasses.fields(AsyncEngineArgs)} | _ENVOY_KWARGS
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    for function in (LLM.__init__, VLLM.__init__):
-        for name, parameter in inspect.signature(function).parameters.items():
-            if name != "self" and parameter.kind not in variadic:
-                known.add(name)
-    unknown = sorted(set(engine_kwargs) - known)
-    if unknown:
-        raise InvalidRequest(
-            f"unknown engine argument(s) {', '.join(map(repr, unknown))}: an engine takes "
-            "envoykit's own (tensor_parallel_size, dtype, max_model_len, log_level, progress) "
-            "and those of nnsight's VLLM, vllm.LLM and vllm.AsyncEngineArgs"
-        )
 
 
 class Engine(EngineSurface):
@@ -243,9 +159,9 @@ class Engine(EngineSurface):
         """vLLM's engine under nnsight, its processes started with ``env`` and ``scratch``."""
         forced = {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
         with platform.environment(env, forced=forced):
-            from envoykit.envoys import EnvoykitVLLM
+            from envoykit.model.envoys import EnvoykitVLLM
 
-            _refuse_unknown_arguments(self._engine_kwargs)
+            refuse_unknown_arguments(self._engine_kwargs)
             workers.prepare_client()
             steps.update()
             steps.set_description(f"{self._source.name}: starting {self._tp} rank(s)")
@@ -326,7 +242,7 @@ class Engine(EngineSurface):
 
     def _install_translator(self, translator: TunedLens) -> str:
         """Check ``translator`` belongs to this model and send it to every rank, once."""
-        from envoykit.tuned import TunedLens
+        from envoykit.analyses.tuned import TunedLens
 
         if not isinstance(translator, TunedLens):
             raise InvalidRequest(

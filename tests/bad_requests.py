@@ -1,7 +1,7 @@
 """Bad lens requests on the ``tiny`` model, each with words its refusal must contain.
 
 One table for two checks: `tests/unit/test_request.py` refuses each through
-`envoykit.request.build_request` with no engine, and `tests/test_bad_input.py` through
+`envoykit.analyses.request.build_request` with no engine, and `tests/test_bad_input.py` through
 ``Engine.lens``, which must then answer the next request normally. The limits are tiny's
 (4 layers, a vocabulary of a few hundred tokens, 256 positions).
 """

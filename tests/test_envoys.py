@@ -17,8 +17,8 @@ from conftest import rank_processes, start
 from reference import attribution, lens_logits, sublayer_logits
 
 import envoykit as ek
-from envoykit import platform
-from envoykit.readout import at
+from envoykit.model.readout import at
+from envoykit.runtime import platform
 
 pytestmark = pytest.mark.engine
 

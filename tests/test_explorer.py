@@ -22,7 +22,7 @@ from matplotlib.colors import to_hex
 
 import envoykit as ek
 from envoykit import plot
-from envoykit.envoys import Location
+from envoykit.analyses.request import describe_target, lens_rows
 from envoykit.explorer import (
     AttributionPanel,
     ComparePanel,
@@ -39,7 +39,7 @@ from envoykit.explorer import (
 )
 from envoykit.explorer.compare_panel import drop_patch, patched_cell
 from envoykit.explorer.sweep_panel import join_rows
-from envoykit.request import describe_target, lens_rows
+from envoykit.model.envoys import Location
 
 PROMPT = "The capital of France is"
 OTHER = "The capital of Italy is"  # as many tokens as PROMPT on tiny (7)
@@ -723,7 +723,7 @@ def test_prompts_of_different_lengths_still_patch(comparing):
 
 @pytest.mark.engine
 def test_lens_selector_applies_the_tuned_lens(tiny2):
-    from envoykit.tuned import offline_texts
+    from envoykit.analyses.tuned import offline_texts
 
     tuned = ek.TunedLens.train(tiny2, offline_texts()[0], steps=2, progress=False)
     plain = LensExplorer(tiny2, prompt="The capital of France is")

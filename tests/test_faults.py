@@ -178,7 +178,7 @@ def test_lens_beyond_memory_is_chunked(demo3):
     freed memory in the heap (``MALLOC_MMAP_MAX_=0``), where the forward's and the lens's
     allocations cannot all reuse each other's space; a rank that has served a lens once
     needs almost nothing more for it (`test_ranks_reuse_their_working_memory`)."""
-    from envoykit.lens import DEFAULT_MEMORY_BUDGET
+    from envoykit.analyses.lens import DEFAULT_MEMORY_BUDGET
 
     prompt = " ".join(["The capital of France is Paris, and the capital of Italy is Rome."] * 10)
     info = demo3.info
@@ -200,8 +200,8 @@ def test_lens_beyond_memory_is_chunked(demo3):
 @pytest.mark.slow
 def test_ranks_reuse_their_working_memory(demo3):
     """A rank keeps the memory a lens freed for the next call (``MALLOC_MMAP_MAX_=0``, see
-    `envoykit.platform`): the same lens again needs no memory the rank does not already hold.
-    With glibc's default, the logits of this lens (over 32 MiB per rank) were unmapped at
+    `envoykit.runtime.platform`): the same lens again needs no memory the rank does not already
+    hold. With glibc's default, the logits of this lens (over 32 MiB per rank) were unmapped at
     free and mapped afresh each call, and each call's peak rose ~177 MiB above its start.
     Measured after two calls: in a fresh rank the second call's forward pass lands in part
     of the space the first call's lens freed, and its lens then raises the peak once more

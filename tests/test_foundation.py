@@ -21,7 +21,7 @@ import pytest
 from conftest import start
 
 import envoykit as ek
-from envoykit import forkserver
+from envoykit.runtime import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,9 +90,9 @@ class TestEngine:
     def test_default_tp_gives_every_rank_a_core(self, monkeypatch, cores, tiny_tp, demo_tp):
         """Unasked, no more ranks than cores; asked, up to 1.5 ranks a core (demo's three
         ranks on two cores)."""
-        from envoykit.engine import choose_tp
+        from envoykit.runtime.info import choose_tp
 
-        monkeypatch.setattr("envoykit.platform.usable_cpus", lambda: list(range(cores)))
+        monkeypatch.setattr("envoykit.runtime.platform.usable_cpus", lambda: list(range(cores)))
         tiny = {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256}
         demo = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
         assert choose_tp(tiny, None, "cpu") == tiny_tp
@@ -124,7 +124,7 @@ class TestConstructionErrors:
         assert children() == before
 
     def test_more_ranks_than_the_machine_hosts(self, monkeypatch):
-        monkeypatch.setattr("envoykit.platform.usable_cpus", lambda: [0])
+        monkeypatch.setattr("envoykit.runtime.platform.usable_cpus", lambda: [0])
         before = children()
         with pytest.raises(ek.InvalidRequest, match="more than this machine hosts"):
             ek.Engine("tiny", tensor_parallel_size=2, progress=False)
@@ -220,7 +220,7 @@ class TestLifecycle:
 def test_janitor_cleans_up_after_a_process_that_exits_just_before_its_kill(tmp_path, monkeypatch):
     """A process can exit between the janitor's last look and its SIGKILL, which then finds
     no process (ProcessLookupError); the janitor still removes what the engine left."""
-    from envoykit import janitor
+    from envoykit.runtime import janitor
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     segment, scratch = tmp_path / "psm_segment", tmp_path / "envoykit-scratch"
@@ -253,7 +253,7 @@ time.sleep(60)
 
 STARTING_OWNER = """
 import subprocess, sys, tempfile, time
-from envoykit.janitor import Janitor
+from envoykit.runtime.janitor import Janitor
 if __name__ == "__main__":
     scratch = tempfile.mkdtemp(prefix="envoykit-")
     janitor = Janitor([scratch], existing=[])
@@ -267,7 +267,7 @@ def test_janitor_sees_a_segment_made_after_start_by_a_process_gone_before_the_ow
     """A segment made after the start, by a process that then dies without unlinking it
     (as a process that skips finalizers at exit may), is among what the janitor removes:
     it looked at the process's mapped segments while it was alive."""
-    from envoykit import janitor
+    from envoykit.runtime import janitor
 
     maker = subprocess.Popen(
         [sys.executable, "-c", SEGMENT_MAKER, "1.5"], stdout=subprocess.PIPE, text=True
@@ -359,7 +359,7 @@ def test_environment_yml_names_the_lock_pins():
 FORKED_CORE_OWNER = """
 import json, multiprocessing.util, os, time
 import envoykit as ek
-from envoykit import forkserver
+from envoykit.runtime import forkserver
 
 def lens_and_core(engine):
     result = engine.lens("The capital of France is", targets=[" Paris"], top_k=3)

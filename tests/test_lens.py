@@ -147,7 +147,7 @@ class TestRequestShapes:
         assert res.top_ids[-1, n_prompt - 1 : -1, 0].tolist() == generated
 
     def test_chunked_lens_equals_one_call(self, tiny2):
-        from envoykit import lens, request
+        from envoykit.analyses import lens, request
 
         info = tiny2.info
         req = request.build_request(tiny2.tokenizer, info.n_layers, info.vocab, 256, PROMPT)

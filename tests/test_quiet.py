@@ -93,7 +93,7 @@ def test_stored_notebook_outputs_hold_no_traceback_or_warning(notebook: Path):
 SEGMENT_SCRIPT = """
 import multiprocessing, os
 from multiprocessing import shared_memory
-from envoykit import cleanup
+from envoykit.runtime import cleanup
 
 def make_and_die(conn):
     segment = shared_memory.SharedMemory(create=True, size=4096)  # registered with the tracker

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import envoykit as ek
-from envoykit.result import TOLERANCE
+from envoykit.results.lens import TOLERANCE
 
 matplotlib.use("Agg")
 

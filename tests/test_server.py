@@ -29,8 +29,8 @@ import psutil
 import pytest
 
 import envoykit as ek
-from envoykit import tokens
-from envoykit.cleanup import mapped_segments
+from envoykit.runtime.cleanup import mapped_segments
+from envoykit.serve import tokens
 
 pytestmark = pytest.mark.engine
 
@@ -261,7 +261,7 @@ def tuned(tiny2):
     """Translators of tiny built deterministically (no training): small seeded A and b."""
     import torch
 
-    from envoykit.tuned import fingerprint
+    from envoykit.analyses.tuned import fingerprint
 
     generator = torch.Generator().manual_seed(0)
     n, d = tiny2.info.n_layers, tiny2.info.d_model
@@ -360,7 +360,7 @@ def test_tuned_lens_refusals_through_the_server(server, client, tuned):
 def test_train_evaluate_check_load_and_explorer_through_the_server(client, tiny2, tmp_path):
     """`TunedLens.train`, `evaluate`, `check`, `load` and `LensExplorer(translator=...)` take
     a connection as they take an engine, and give what they give in process."""
-    from envoykit.tuned import fingerprint, offline_texts
+    from envoykit.analyses.tuned import fingerprint, offline_texts
 
     texts, held_out = offline_texts()
     kwargs = dict(steps=2, batch_tokens=128, progress=False)
@@ -397,7 +397,7 @@ def test_a_client_without_the_checkpoint_gets_its_files(server, client, tmp_path
     """A client on another machine has no checkpoint at the server's path: the server sends
     the config and tokenizer (never weights) and the tree built from them gives the same lens.
     The other machine is this one with the server's path taken for absent."""
-    from envoykit import client as client_module
+    from envoykit.serve import client as client_module
 
     have = client_module._same_files
     away = client.info.path

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import envoykit as ek
-from envoykit.tuned import offline_texts
+from envoykit.analyses.tuned import offline_texts
 
 pytestmark = pytest.mark.engine
 

@@ -14,8 +14,8 @@ from typing import Any
 import ipywidgets as widgets
 
 from envoykit import plot
-from envoykit.attribution_result import AttributionResult
 from envoykit.explorer.outputs import figure_output, message_html
+from envoykit.results.attribution import AttributionResult
 
 TITLE = "Direct logit attribution"
 

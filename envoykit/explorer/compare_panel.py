@@ -15,13 +15,13 @@ from collections.abc import Sequence
 
 import ipywidgets as widgets
 
-from envoykit.compare_result import CompareResult
+from envoykit.analyses.patching import Patch
 from envoykit.errors import InvalidRequest
 from envoykit.explorer.outputs import message_html
 from envoykit.explorer.payload import compare_data, heatmap_data
 from envoykit.explorer.views import Heatmap
-from envoykit.patching import Patch
-from envoykit.result import LensResult
+from envoykit.results.compare import CompareResult
+from envoykit.results.lens import LensResult
 
 # What a drop does, said where the cells are dragged from.
 DRAG_HINT = (

@@ -35,9 +35,10 @@ import ipywidgets as widgets
 import numpy as np
 
 from envoykit import plot
-from envoykit.attribution_result import AttributionResult
-from envoykit.compare import compare
-from envoykit.compare_result import CompareResult
+from envoykit.analyses.compare import compare
+from envoykit.analyses.patching import Patch
+from envoykit.analyses.request import Row, describe_target
+from envoykit.analyses.tuned import TunedLens
 from envoykit.errors import EnvoykitError, InvalidRequest
 from envoykit.explorer import export, rows
 from envoykit.explorer.attribution_panel import AttributionPanel
@@ -51,12 +52,11 @@ from envoykit.explorer.outputs import ERROR, figure_output, message_html, text_o
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
 from envoykit.explorer.sweep_panel import SweepPanel
 from envoykit.explorer.views import Heatmap, LayerPicker
-from envoykit.metrics import METRICS, metric_grid, metric_keys
-from envoykit.patching import Patch
-from envoykit.request import Row, describe_target
-from envoykit.result import LensResult
-from envoykit.sweep_result import SweepResult
-from envoykit.tuned import TunedLens
+from envoykit.results.attribution import AttributionResult
+from envoykit.results.compare import CompareResult
+from envoykit.results.lens import LensResult
+from envoykit.results.metrics import METRICS, metric_grid, metric_keys
+from envoykit.results.sweep import SweepResult
 
 
 class LensExplorer(widgets.VBox):

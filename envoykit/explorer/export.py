@@ -19,7 +19,7 @@ from typing import Any
 from envoykit.errors import InvalidRequest
 from envoykit.explorer.assets import asset
 from envoykit.explorer.payload import heatmap_data
-from envoykit.result import LensResult
+from envoykit.results.lens import LensResult
 
 SUFFIXES = (".png", ".svg", ".json", ".html")
 

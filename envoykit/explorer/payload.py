@@ -6,7 +6,7 @@ the top of ``widgets/heatmap.js``), and so is ``compare_data``: the same view dr
 two runs, with both runs' top-1 token as the tooltip's two rows and ``a→b`` written in the
 cells where they differ. ``picker_layers`` and ``result_layers`` are the layer picker's
 ``layers`` (the ``Item`` typedef at the top of ``widgets/layer_picker.js``): one column per
-layer, with the rows it offers. Every metric is a `envoykit.metrics.Metric`, so the browser
+layer, with the rows it offers. Every metric is a `envoykit.results.metrics.Metric`, so the browser
 colours it from the definition's own colour stops; the lens metrics are the ones the
 matplotlib heatmap draws, the diff's (`JS`, `delta_metric`) those ``plot.compare`` draws.
 """
@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from envoykit.compare_result import CompareResult
 from envoykit.explorer.rows import RESID, SUBLAYER_SITES, ordered
-from envoykit.metrics import Metric, metric_grid, metric_keys
-from envoykit.result import SITE_SUFFIXES, LensResult
+from envoykit.results.compare import CompareResult
+from envoykit.results.lens import SITE_SUFFIXES, LensResult
+from envoykit.results.metrics import JS, delta_metric, metric_grid, metric_keys
 
 # Digits kept in the JSON: a tooltip shows four, and fewer digits are fewer bytes.
 PROB_DECIMALS = 6
@@ -57,16 +57,6 @@ def heatmap_data(res: LensResult, marks: Sequence[Sequence[int]] = ()) -> dict[s
         "grids": grids,
         "marks": [[int(i) for i in cell] for cell in marks],
     }
-
-
-# The diff's metrics, as `plot.compare` colours them: JS divergence lies in [0, ln 2]; a
-# change of probability in [-1, 1], on a diverging map centred on no change.
-JS = Metric("js", "JS divergence", "nats", (0.0, float(np.log(2))), "Reds")
-
-
-def delta_metric(key: str, token: str, names: Sequence[str] = ("a", "b")) -> Metric:
-    """The change of ``token``'s probability from run ``names[0]`` to run ``names[1]``."""
-    return Metric(key, f"Δ p({token!r}), {names[1]} − {names[0]}", "", (-1.0, 1.0), "RdBu_r")
 
 
 def compare_data(res: CompareResult, names: Sequence[str] = ("a", "b")) -> dict[str, Any]:

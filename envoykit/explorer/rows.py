@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from envoykit.request import SITES, Row
-from envoykit.result import LensResult
+from envoykit.analyses.request import Row
+from envoykit.results.lens import SITES, LensResult
 
 RESID = "resid"
 # The rows inside a decoder layer, in the model's order; the embedding has none of them.

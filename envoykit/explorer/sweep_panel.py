@@ -22,7 +22,7 @@ import numpy as np
 from envoykit import plot
 from envoykit.errors import EnvoykitError
 from envoykit.explorer.outputs import figure_output, message_html
-from envoykit.sweep_result import SweepResult
+from envoykit.results.sweep import SweepResult
 
 TITLE = "Patch sweep"
 

@@ -14,11 +14,11 @@ from typing import Any
 import anywidget
 import traitlets
 
+from envoykit.analyses.request import Row
 from envoykit.explorer.assets import asset
 from envoykit.explorer.payload import heatmap_data
 from envoykit.explorer.rows import RESID, SUBLAYER_SITES, ordered, picked
-from envoykit.request import Row
-from envoykit.result import LensResult
+from envoykit.results.lens import LensResult
 
 # "": no dragging; "source": cells can be dragged out; "target": takes drops of its group.
 DRAG_ROLES = ("", "source", "target")

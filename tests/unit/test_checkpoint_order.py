@@ -18,7 +18,7 @@ import pytest
 import torch
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
-from envoykit.envoys import CheckpointOrderFragments, _rank_piece, _to_checkpoint_order
+from envoykit.model.envoys import CheckpointOrderFragments, _rank_piece, _to_checkpoint_order
 
 TOKENS = 3
 
@@ -123,7 +123,7 @@ def gpu_runner() -> object:
     from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
     from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
-    from envoykit.gpu import EnvoykitGPUWorker
+    from envoykit.ranks.gpu import EnvoykitGPUWorker
 
     def nnsight_init_device(worker):
         worker.model_runner = NNsightGPUModelRunner.__new__(NNsightGPUModelRunner)
@@ -135,7 +135,7 @@ def gpu_runner() -> object:
 
 
 def cpu_runner() -> object:
-    from envoykit.cpu import NNsightCPUModelRunner
+    from envoykit.ranks.cpu import NNsightCPUModelRunner
 
     return NNsightCPUModelRunner.__new__(NNsightCPUModelRunner)
 
@@ -162,10 +162,10 @@ def test_runner_loads_with_checkpoint_order_fragments(make_runner):
 def test_envoys_map_is_platform_neutral():
     """The map, the fragment rules and the GPU worker import nothing CPU-specific."""
     code = (
-        "import sys, envoykit.envoys as e; e.envoys_map(); import envoykit.gpu; "
+        "import sys, envoykit.model.envoys as e; e.envoys_map(); import envoykit.ranks.gpu; "
         "print(sorted(m for m in sys.modules if m.startswith('envoykit') or 'cpu_worker' in m))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "'envoykit.gpu'" in out.stdout
-    assert "envoykit.cpu" not in out.stdout
+    assert "'envoykit.ranks.gpu'" in out.stdout
+    assert "envoykit.ranks.cpu" not in out.stdout
     assert "cpu_worker" not in out.stdout

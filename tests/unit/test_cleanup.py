@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from envoykit import cleanup
+from envoykit.runtime import cleanup
 
 SPAWN = multiprocessing.get_context("spawn")
 

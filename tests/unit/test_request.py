@@ -14,8 +14,8 @@ from bad_requests import CASES, IDS, PROMPT
 from transformers import AutoTokenizer
 
 import envoykit as ek
-from envoykit import models
-from envoykit.request import build_request, describe_target, normalise_layers
+from envoykit.analyses.request import build_request, describe_target, normalise_layers
+from envoykit.runtime import models
 
 
 @functools.cache

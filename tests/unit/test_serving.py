@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 import envoykit as ek
-from envoykit import tokens
-from envoykit.server import is_loopback, read_token, serve
-from envoykit.server_app import Guard, ServerState, merged_saves
+from envoykit.serve import tokens
+from envoykit.serve.app import Guard, ServerState, merged_saves
+from envoykit.serve.server import is_loopback, read_token, serve
 
 
 @pytest.fixture

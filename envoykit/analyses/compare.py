@@ -1,0 +1,241 @@
+"""Two runs compared cell by cell, on the ranks: two prompts, a run and its patched run, or
+one prompt on two engines (TP=1 against TP=N, float32 against bfloat16).
+
+Run ``a`` goes first, on its own engine: its streams at the compared layers and positions go
+through its final norm and come back (``layers x positions x d_model`` numbers, no
+vocabulary). Run ``b`` then runs on its engine, and inside that trace both runs' rows go
+through ``b``'s unembedding in one call per chunk; each rank reduces the two full
+distributions to their Jensen-Shannon divergence (in float64: the two runs of a TP-equivalence
+check differ by ~1e-9 nats, below float32's resolution of a sum over the vocabulary), both
+top-1 tokens and every target's two probabilities. The full-vocabulary tensors never leave
+the ranks. Across engines, run ``a``'s rows are unembedded with ``b``'s head: what is compared
+is everything up to and including the final norm, and the head's arithmetic is ``b``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from envoykit.analyses.lens import DEFAULT_MEMORY_BUDGET, final_norm, layers_per_call
+from envoykit.analyses.patching import (
+    Patch,
+    Write,
+    as_patches,
+    plan_writes,
+    source_writes,
+    walk_layers,
+    writes_by_layer,
+)
+from envoykit.analyses.request import (
+    normalise_layers,
+    normalise_positions,
+    normalise_prompts,
+    single_token_target,
+)
+from envoykit.errors import InvalidRequest
+from envoykit.model.readout import at
+from envoykit.results.compare import CompareResult
+
+
+@dataclass(frozen=True)
+class Run:
+    """One side of a comparison: a prompt on an engine, optionally patched."""
+
+    engine: Any
+    prompt: str
+    patch: Patch | Sequence[Patch] | None = None
+
+    def describe(self) -> str:
+        info = self.engine.info
+        patched = f", {len(as_patches(self.patch))} patch(es)" if self.patch else ""
+        return f"{info.name} tp={info.tp} {info.dtype}: {self.prompt!r}{patched}"
+
+
+def as_run(value: Any) -> Run:
+    """A `Run`, or an ``(engine, prompt[, patch])`` tuple."""
+    if isinstance(value, Run):
+        return value
+    if isinstance(value, tuple) and len(value) in (2, 3):
+        return Run(*value)
+    raise InvalidRequest(
+        f"compare takes ek.Run(engine, prompt, patch=None) or (engine, prompt[, patch]), not "
+        f"{type(value).__name__}"
+    )
+
+
+def compare(
+    a: Any,
+    b: Any,
+    *,
+    layers: Any = None,
+    positions: Any = None,
+    targets: Any = (),
+    budget: int = DEFAULT_MEMORY_BUDGET,
+) -> CompareResult:
+    """Compare run ``a`` with run ``b`` cell by cell (see the module docstring).
+
+    ``a``/``b``: `Run` or ``(engine, prompt[, patch])``. ``layers`` as in `Engine.lens`
+    (default: the embedding and every layer). ``positions``: token indices compared in both
+    runs (default: every position, which needs both prompts to tokenize to the same length).
+    ``targets``: single tokens whose probability changes are reported.
+    """
+    a, b = as_run(a), as_run(b)
+    info_a, info_b = a.engine.info, b.engine.info
+    if (info_a.n_layers, info_a.vocab) != (info_b.n_layers, info_b.vocab):
+        raise InvalidRequest(
+            f"runs on {info_a.name} ({info_a.n_layers} layers, vocabulary {info_a.vocab}) and "
+            f"{info_b.name} ({info_b.n_layers}, {info_b.vocab}) cannot be compared cell by cell"
+        )
+    tokenizer = b.engine.tokenizer
+    ids = []
+    for run in (a, b):
+        (prompt,) = normalise_prompts(run.prompt)
+        ids.append(list(run.engine.tokenizer(prompt)["input_ids"]))
+    if positions is None and len(ids[0]) != len(ids[1]):
+        shown = [[tokenizer.decode([i]) for i in seq] for seq in ids]
+        raise InvalidRequest(
+            "comparing every position needs prompts with as many tokens: a has "
+            f"{len(ids[0])} {shown[0]}, b {len(ids[1])} {shown[1]}; pass positions=[...] "
+            "(token indices valid in both) to compare some"
+        )
+    picked = normalise_positions(positions, min(map(len, ids))) or tuple(range(len(ids[0])))
+    rows = normalise_layers(("embed", "all") if layers is None else layers, info_b.n_layers)
+    wanted = [single_token_target(tokenizer, info_b.vocab, t) for t in _as_list(targets)]
+    writes = [_writes(run, seq) for run, seq in zip((a, b), ids)]
+    with a.engine.exclusive():
+        rows_a = normed_rows(a.engine, a.prompt, rows, picked, writes[0])
+    with b.engine.exclusive():
+        stats = compared_rows(b.engine, b.prompt, rows, picked, writes[1], rows_a, wanted, budget)
+    decode = np.vectorize(lambda i: tokenizer.decode([int(i)]), otypes=[object])
+    return CompareResult(
+        a=a.describe(),
+        b=b.describe(),
+        tokens_a=tuple(tokenizer.decode([ids[0][p]]) for p in picked),
+        tokens_b=tuple(tokenizer.decode([ids[1][p]]) for p in picked),
+        layers=np.array(rows),
+        positions=np.array(picked),
+        js=stats["js"],
+        top_ids_a=stats["top_ids_a"],
+        top_ids_b=stats["top_ids_b"],
+        top_tokens_a=tuple(decode(stats["top_ids_a"]).ravel()),
+        top_tokens_b=tuple(decode(stats["top_ids_b"]).ravel()),
+        top_probs_a=stats["top_probs_a"],
+        top_probs_b=stats["top_probs_b"],
+        target_ids=np.array([t.token_id for t in wanted], dtype=np.int64),
+        target_labels=tuple(t.label for t in wanted),
+        target_tokens=tuple(t.token for t in wanted),
+        target_probs_a=stats["target_probs_a"],
+        target_probs_b=stats["target_probs_b"],
+        meta={"returned_bytes": int(sum(v.nbytes for v in stats.values()))},
+    )
+
+
+def _as_list(value: Any) -> list:
+    return [value] if isinstance(value, (str, int)) else list(value)
+
+
+def _writes(run: Run, ids: list[int]) -> list[Write]:
+    """The patches of ``run``, read from their sources on the run's engine."""
+    patches = as_patches(run.patch)
+    if not patches:
+        return []
+    engine = run.engine
+    plan = plan_writes(engine.tokenizer, patches, ids, engine.info.n_layers)
+    with engine.exclusive():
+        return source_writes(engine.model, engine.readout, plan)
+
+
+def _stream_rows(model: Any, readout: Any, layers: Sequence[int], writes: list[Write]) -> list:
+    """Inside a trace: the residual stream after each of ``layers``, with ``writes`` made."""
+    reads = {layer: {"resid"} for layer in layers}
+    return walk_layers(
+        at(model, readout.layers), readout.mlp_prenorm, reads, writes_by_layer(writes)
+    )
+
+
+def normed_rows(
+    engine: Any, prompt: str, layers: Sequence[int], positions: Sequence[int], writes: list[Write]
+) -> torch.Tensor:
+    """``[layers, positions, d_model]`` float32: run ``prompt``, each layer's stream through the
+    final norm, at ``positions``."""
+    import nnsight
+
+    model, readout = engine.model, engine.readout
+    picked = torch.tensor(list(positions))
+    with model.trace(prompt, temperature=0.0, max_tokens=1):
+        norm = at(model, readout.final_norm)
+        streams = _stream_rows(model, readout, layers, writes)
+        rows = nnsight.save(
+            torch.stack([final_norm(norm, h, r)[picked] for h, r in streams]).float().cpu()
+        )
+    return rows
+
+
+def compared_rows(
+    engine: Any,
+    prompt: str,
+    layers: Sequence[int],
+    positions: Sequence[int],
+    writes: list[Write],
+    rows_a: torch.Tensor,
+    targets: list,
+    budget: int,
+) -> dict[str, np.ndarray]:
+    """Run ``prompt`` on ``engine`` and reduce it against ``rows_a`` on the ranks."""
+    import nnsight
+
+    model, readout = engine.model, engine.readout
+    picked = torch.tensor(list(positions))
+    target_ids = [t.token_id for t in targets]
+    vocab = engine.info.vocab
+    with model.trace(prompt, temperature=0.0, max_tokens=1):
+        norm = at(model, readout.final_norm)
+        head = at(model, readout.unembedding)
+        streams = _stream_rows(model, readout, layers, writes)
+        rows_b = torch.stack([final_norm(norm, h, r)[picked] for h, r in streams])
+        stats = nnsight.save(
+            divergence_statistics(head, rows_a.to(rows_b), rows_b, target_ids, vocab, budget)
+        )
+    return {key: value.numpy() for key, value in stats.items()}
+
+
+def divergence_statistics(
+    head: Any,
+    rows_a: torch.Tensor,
+    rows_b: torch.Tensor,
+    targets: Sequence[int],
+    vocab: int,
+    budget: int,
+) -> dict[str, torch.Tensor]:
+    """On a rank: both runs' ``[layers, positions, d_model]`` rows through the head, chunked
+    by layers, reduced to JS divergence, top-1 of each and target probabilities of each."""
+    n_layers, n_pos = rows_a.shape[:2]
+    # Two runs' logits and float64 log-probs per layer: eight times float32 logits' bytes.
+    per_call = max(1, layers_per_call(n_pos, vocab, budget) // 8)
+    ids = torch.tensor(list(targets), dtype=torch.long)
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, n_layers, per_call):
+        chunk = slice(start, start + per_call)
+        both = torch.cat([rows_a[chunk], rows_b[chunk]]).flatten(0, 1)
+        logp = torch.log_softmax(head(both).double(), -1).unflatten(0, (2, -1, n_pos))
+        mixture = torch.logaddexp(logp[0], logp[1]) - math.log(2.0)
+        js = 0.5 * sum((side.exp() * (side - mixture)).sum(-1) for side in logp)
+        top = logp.max(-1)
+        chunk_stats = {
+            "js": js.clamp_min(0.0),
+            "top_ids_a": top.indices[0],
+            "top_ids_b": top.indices[1],
+            "top_probs_a": top.values[0].exp().float(),
+            "top_probs_b": top.values[1].exp().float(),
+            "target_probs_a": logp[0][..., ids].exp().float(),
+            "target_probs_b": logp[1][..., ids].exp().float(),
+        }
+        for key, value in chunk_stats.items():
+            pieces.setdefault(key, []).append(value.cpu())
+    return {key: torch.cat(values) for key, values in pieces.items()}

@@ -1,0 +1,303 @@
+"""The logit lens, computed on the ranks: what runs inside the trace, and what comes back.
+
+A lens row is a (layer, site) pair. Sites (see `envoykit.model.readout` for where they are read):
+
+* ``resid`` — the residual stream after the layer: its ``(hidden, residual)`` pair goes
+  through the model's final norm the way vLLM computes its own last step (the fused
+  add-norm), so the last layer's lens is the model's own next-token distribution (to float32
+  rounding), in bfloat16 as in float32;
+* ``resid_mid`` — the stream between the attention and the MLP block, normalised the same
+  way from the MLP pre-norm's ``(attn_out, resid_pre)`` inputs;
+* ``attn`` / ``mlp`` — what one block writes into the stream, **on its own**: the lone vector
+  goes through the final norm by itself (scaled by its own RMS, then the norm's gain) and the
+  head. This shows which tokens the block's write points towards, not how much it moves the
+  final logits; `envoykit.analyses.attribution` measures that, with the final stream's scale frozen.
+
+All rows are stacked into one ``[rows * positions, d_model]`` matrix and unembedded in one
+call per rank (one GEMM on the rank's own slice of the vocabulary), chunked only when that
+slice's logits would pass a memory budget. Each rank reduces its slice — top-k, target
+probability and rank, entropy, KL to the final layer — and the ranks combine a few numbers
+per cell (`envoykit.ranks.vocab_parallel`); only those ``O(rows * positions * k)`` numbers are
+saved. Full-vocabulary logits are never gathered, let alone sent back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from envoykit.analyses.patching import Write, walk_layers, writes_by_layer
+from envoykit.analyses.request import SITES, LensRequest, Row
+from envoykit.model.readout import Readout, at
+from envoykit.model.vocab_shard import VocabShard
+from envoykit.ranks import vocab_parallel
+from envoykit.ranks.translators import translated
+from envoykit.results.lens import LensResult
+
+# A rank's slice of the float32 logits (and what is computed from them) per unembedding call
+# stays under this.
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+
+
+def lens_statistics(
+    norm: Any,
+    shard: VocabShard,
+    streams: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    positions: torch.Tensor | None,
+    top_k: int,
+    targets: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    budget: int = DEFAULT_MEMORY_BUDGET,
+) -> dict[str, torch.Tensor]:
+    """Reduce the lens of ``streams`` (one ``(hidden, residual)`` per row) on this rank.
+
+    A row without a residual is a lone vector, normalised by itself. The last stream is the
+    final layer: KL is measured against its distribution. Each rank reduces only its own
+    slice of the vocabulary (``shard``, see `vocab_parallel`) and the ranks combine small
+    per-cell summaries, so every rank returns the same statistics of the whole vocabulary.
+    Returns CPU tensors: ``top_ids``/``top_probs`` ``[layers, positions, k]``,
+    ``entropy``/``kl`` ``[layers, positions]``, ``target_probs``/``target_ranks``
+    ``[layers, positions, targets]`` (rank 0 = the most likely token).
+    """
+    rows = [final_norm(norm, hidden, residual) for hidden, residual in streams]
+    if positions is not None:
+        rows = [row[positions] for row in rows]
+    # Each exchange is a collective: every rank must make the same calls, so chunks are sized
+    # by the largest slice (slices differ by the vocabulary's padding), not by this rank's.
+    largest = int(shard.gather(torch.tensor([float(shard.size)])).max())
+    n_pos = rows[0].shape[0]
+    span = positions_per_call(largest, budget)
+    blocks = [
+        _reduce_positions(
+            shard,
+            [row[start : start + span] for row in rows],
+            top_k,
+            targets,
+            dtype,
+            budget,
+            largest,
+        )
+        for start in range(0, n_pos, span)
+    ]
+    return {key: torch.cat([block[key] for block in blocks], dim=1) for key in blocks[0]}
+
+
+def _reduce_positions(
+    shard: VocabShard,
+    rows: list[torch.Tensor],
+    top_k: int,
+    targets: Sequence[int],
+    dtype: torch.dtype,
+    budget: int,
+    largest: int,
+) -> dict[str, torch.Tensor]:
+    """`lens_statistics` of one block of positions: layers in chunks that fit ``budget``."""
+    n_pos = rows[0].shape[0]
+    per_call = layers_per_call(n_pos, largest, budget)
+    # The final layer's chunk goes first: every chunk needs its distribution for KL.
+    chunks = [rows[max(0, end - per_call) : end] for end in range(len(rows), 0, -per_call)]
+    final_logp = final_probs = None
+    pieces: list[dict[str, torch.Tensor]] = []
+    for chunk in chunks:
+        logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
+        largest_logit, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
+            shard, logits, top_k, targets
+        )
+        # This rank's slice of the log-probs, in place: (logit - largest) - log_sum.
+        logp = logits.sub_(largest_logit.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
+        if final_logp is None:
+            final_logp = logp[-1].clone()
+            final_probs = final_logp.exp()
+        entropy, kl, ranks = vocab_parallel.sums(
+            shard, logp, (final_logp, final_probs), target_logp
+        )
+        # 32-bit throughout: what crosses to the client is 4 bytes per number.
+        pieces.append(
+            {
+                "top_ids": top_ids.int().cpu(),
+                "top_probs": top_logp.exp().float().cpu(),
+                "entropy": entropy.float().cpu(),
+                "kl": kl.float().cpu(),
+                "target_probs": target_logp.exp().float().cpu(),
+                "target_ranks": ranks.int().cpu(),
+            }
+        )
+        # This chunk's logits go before the next chunk's exist: held across the next head
+        # call, they added a chunk to the peak (a second long demo lens at TP=3: a rank's
+        # peak rose up to 169 MiB above its start with them, up to 84 MiB without).
+        del logits, logp
+    pieces.reverse()
+    return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
+
+
+def final_norm(norm: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """A lens row through the model's final norm: the fused add-norm for a stream's
+    ``(hidden, residual)`` pair, as vLLM computes its last step; a lone vector on its own.
+
+    On copies: vLLM's fused add-norm may work in place, and the model's own forward must not
+    see it.
+    """
+    if residual is None:
+        return norm(hidden.clone())
+    return norm(hidden.clone(), residual.clone())[0]
+
+
+def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
+    """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice), and
+    the two temporaries of their size the reductions make, fit ``budget`` bytes."""
+    return max(1, math.floor(budget / max(1, n_pos * vocab * 4 * 3)))
+
+
+def positions_per_call(vocab: int, budget: int) -> int:
+    """Positions per block so that one layer of them fits ``budget`` as in `layers_per_call`:
+    past that, a long prompt's single layer would outgrow the budget with its length."""
+    return layers_per_call(1, vocab, budget)
+
+
+def run(
+    model: Any,
+    readout: Readout,
+    request: LensRequest,
+    meta: dict[str, Any],
+    budget: int = DEFAULT_MEMORY_BUDGET,
+    writes: Sequence[Write] = (),
+    translator: str | None = None,
+) -> list[LensResult]:
+    """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt.
+
+    ``writes`` (see `envoykit.analyses.patching`) are written into the prompt's forward pass before
+    anything downstream of them is read: the lens is that of the patched run. ``translator``
+    names tuned-lens translators installed on the ranks (`envoykit.ranks.translators`): every
+    residual-stream row but the last layer's goes through them before the final norm.
+
+    With ``generate=N`` the trace runs N+1 steps: the prompt's prefill, then each generated
+    token as it is fed back, so every position in the result is an input token and its lens
+    shows what the model predicts next there. ``meta`` (model name, TP size, dtype) is
+    recorded in every result.
+    """
+    import nnsight
+
+    rows = computed_rows(request.rows, readout.n_layers)
+    reads = dict(_sites_by_layer(rows))
+    to_write = writes_by_layer(writes)
+    layer_list = at(model, readout.layers)
+    norm = at(model, readout.final_norm)
+    head = at(model, readout.unembedding)
+    prenorm = readout.mlp_prenorm
+    positions = None if request.positions is None else torch.tensor(request.positions)
+    target_ids = [t.token_id for t in request.targets]
+    reduce_dtype = getattr(torch, request.reduce_dtype)
+    top_k, steps_wanted = request.top_k, request.generate + 1
+    with model.trace(temperature=0.0, max_tokens=steps_wanted) as tracer:
+        for prompt in request.prompts:
+            with tracer.invoke(prompt):
+                shard = head.vocab_shard()
+                steps = nnsight.save([])
+                samples = nnsight.save([])
+                for step in tracer.iter[:steps_wanted]:
+                    # Patches go into the prompt's own forward pass, the first step.
+                    streams = walk_layers(layer_list, prenorm, reads, to_write if step == 0 else {})
+                    if translator is not None:
+                        streams = translated(streams, rows, translator, readout.n_layers)
+                    steps.append(
+                        lens_statistics(
+                            norm,
+                            shard,
+                            streams,
+                            positions if step == 0 else None,
+                            top_k,
+                            target_ids,
+                            reduce_dtype,
+                            budget,
+                        )
+                    )
+                    samples.append(model.samples.cpu())
+    if len(request.prompts) == 1:
+        steps, samples = [steps], [samples]
+    return [
+        _assemble(model.tokenizer, request, meta, i, prompt_steps, prompt_samples, rows)
+        for i, (prompt_steps, prompt_samples) in enumerate(zip(steps, samples))
+    ]
+
+
+def computed_rows(rows: Sequence[Row], n_layers: int) -> list[Row]:
+    """The rows a trace computes, in the order the model produces them: the picked ones plus
+    the final layer's stream (KL is measured against it), which therefore comes last."""
+    return sorted({*rows, (n_layers, "resid")}, key=lambda row: (row[0], SITES.index(row[1])))
+
+
+def _sites_by_layer(rows: list[Row]) -> list[tuple[int, set[str]]]:
+    layers: dict[int, set[str]] = {}
+    for layer, site in rows:
+        layers.setdefault(layer, set()).add(site)
+    return sorted(layers.items())
+
+
+def _assemble(
+    tokenizer: Any,
+    request: LensRequest,
+    meta: dict[str, Any],
+    index: int,
+    steps: list[dict[str, torch.Tensor]],
+    samples: list[torch.Tensor],
+    computed: list[Row],
+) -> LensResult:
+    """Join the steps along positions, drop the unpicked final layer, label everything."""
+    stats = {key: torch.cat([step[key] for step in steps], dim=1).numpy() for key in steps[0]}
+    keep = [computed.index(row) for row in request.rows]
+    stats = {key: value[keep] for key, value in stats.items()}
+    prompt_ids = list(request.prompt_ids[index])
+    generated = [int(s.flatten()[0]) for s in samples[: request.generate]]
+    prompt_positions = (
+        list(range(len(prompt_ids))) if request.positions is None else list(request.positions)
+    )
+    positions = prompt_positions + [len(prompt_ids) + i for i in range(len(generated))]
+    all_ids = prompt_ids + generated
+    if stats["entropy"].shape[1] != len(positions):
+        raise RuntimeError(
+            f"the ranks returned {stats['entropy'].shape[1]} positions, expected {len(positions)}: "
+            "the engine tokenized the prompt differently from its tokenizer"
+        )
+    token_ids = np.array([all_ids[p] for p in positions])
+    top_ids = stats["top_ids"]
+    decoded = {int(i): tokenizer.decode([int(i)]) for i in np.unique(top_ids)}
+    top_tokens = np.vectorize(lambda i: decoded[int(i)], otypes=[object])(top_ids)
+    return LensResult(
+        prompt=request.prompts[index],
+        token_ids=token_ids,
+        tokens=distinct_labels([tokenizer.decode([int(i)]) for i in token_ids], positions),
+        positions=np.array(positions),
+        layers=np.array([layer for layer, _ in request.rows]),
+        sites=tuple(site for _, site in request.rows),
+        top_ids=top_ids.astype(np.int64),
+        top_tokens=top_tokens,
+        top_probs=stats["top_probs"].astype(np.float32),
+        entropy=stats["entropy"].astype(np.float32),
+        kl=stats["kl"].astype(np.float32),
+        target_ids=np.array([t.token_id for t in request.targets], dtype=np.int64),
+        target_labels=tuple(t.label for t in request.targets),
+        target_tokens=tuple(t.token for t in request.targets),
+        target_probs=stats["target_probs"].astype(np.float32),
+        target_ranks=stats["target_ranks"].astype(np.int64),
+        n_generated=len(generated),
+        meta={
+            "lens": "logit",
+            **{key: value for key, value in meta.items() if key != "vocab"},
+            "returned_bytes": sum(t.numel() * t.element_size() for s in steps for t in s.values()),
+        },
+    )
+
+
+def distinct_labels(tokens: list[str], positions: list[int]) -> tuple[str, ...]:
+    """Tokens as labels, a repeated one suffixed with its position (``"the#5"``)."""
+    counts: dict[str, int] = {}
+    for token in tokens:
+        counts[token] = counts.get(token, 0) + 1
+    return tuple(
+        token if counts[token] == 1 else f"{token}#{position}"
+        for token, position in zip(tokens, positions)
+    )

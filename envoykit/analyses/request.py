@@ -1,0 +1,228 @@
+"""Checking a lens request on the client, before anything reaches the ranks.
+
+A bad request must never become a hang, a raw traceback from a rank, or a silently wrong
+number: everything a rank would trip on is checked here against the model's shape and the
+tokenizer, and refused with an `InvalidRequest` that says what is valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from envoykit.errors import InvalidRequest
+from envoykit.results.lens import SITES
+
+LayerSpec = int | str | range | Sequence[int | str] | None
+REDUCE_DTYPES = ("float32", "float64")
+# A lens row: (layer number, site); layer 0 (the embedding) has only "resid".
+Row = tuple[int, str]
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    token_id: int
+    token: str
+
+
+@dataclass(frozen=True)
+class LensRequest:
+    """A validated lens request: prompts tokenized, layers and positions normalised."""
+
+    prompts: tuple[str, ...]
+    prompt_ids: tuple[tuple[int, ...], ...]
+    layers: tuple[int, ...]
+    rows: tuple[Row, ...]
+    positions: tuple[int, ...] | None
+    top_k: int
+    targets: tuple[Target, ...]
+    generate: int
+    reduce_dtype: str
+
+
+def build_request(
+    tokenizer: Any,
+    n_layers: int,
+    vocab: int,
+    max_model_len: int,
+    prompt: str | Sequence[str],
+    *,
+    layers: LayerSpec = None,
+    positions: int | Sequence[int] | None = None,
+    top_k: int = 10,
+    targets: str | int | Sequence[str | int] = (),
+    generate: int = 0,
+    sites: str | Sequence[str] = ("resid",),
+    reduce_dtype: str = "float32",
+) -> LensRequest:
+    prompts = normalise_prompts(prompt)
+    generate = _count("generate", generate, minimum=0)
+    prompt_ids = tuple(tuple(tokenizer(p)["input_ids"]) for p in prompts)
+    for text, ids in zip(prompts, prompt_ids):
+        if not ids:
+            raise InvalidRequest(f"prompt {text!r} tokenizes to no tokens")
+        if len(ids) + generate > max_model_len:
+            raise InvalidRequest(
+                f"prompt of {len(ids)} tokens plus generate={generate} exceeds the engine's "
+                f"max_model_len={max_model_len}: shorten the prompt or start the Engine with a "
+                "larger max_model_len"
+            )
+    top_k = _count("top_k", top_k, minimum=1)
+    if top_k > vocab:
+        raise InvalidRequest(f"top_k={top_k} exceeds the vocabulary size ({vocab})")
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise InvalidRequest(f"reduce_dtype must be one of {REDUCE_DTYPES}, not {reduce_dtype!r}")
+    picked = normalise_layers(layers, n_layers)
+    return LensRequest(
+        prompts=prompts,
+        prompt_ids=prompt_ids,
+        layers=picked,
+        rows=lens_rows(picked, normalise_sites(sites)),
+        positions=normalise_positions(positions, min(len(ids) for ids in prompt_ids)),
+        top_k=top_k,
+        targets=tuple(_target(tokenizer, vocab, t) for t in _as_list(targets)),
+        generate=generate,
+        reduce_dtype=reduce_dtype,
+    )
+
+
+def normalise_prompts(prompt: Any) -> tuple[str, ...]:
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidRequest(
+            f"prompt must be a string or a non-empty list of strings, not {type(prompt).__name__}"
+        )
+    for p in prompts:
+        if not isinstance(p, str):
+            raise InvalidRequest(f"each prompt must be a string, not {type(p).__name__}")
+        if not p.strip():
+            raise InvalidRequest("the prompt is empty: give the text whose lens you want")
+    return tuple(prompts)
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidRequest(f"{name} must be an integer >= {minimum}, not {value!r}")
+    return value
+
+
+def _as_list(value: Any) -> list:
+    if isinstance(value, (str, int)):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise InvalidRequest(
+        f"expected a string, an integer or a list of them, not {type(value).__name__}"
+    )
+
+
+def normalise_layers(layers: LayerSpec, n_layers: int) -> tuple[int, ...]:
+    """Sorted, distinct layer numbers: 0 is the embedding, ``i`` the output of layer ``i``.
+
+    ``None``/``"all"`` is every decoder layer (1..n); ``"embed"`` adds the embedding;
+    negative numbers count from the end (-1 is layer n).
+    """
+    if layers is None or layers == "all":
+        return tuple(range(1, n_layers + 1))
+    picked = set()
+    for layer in _as_list(list(layers) if isinstance(layers, range) else layers):
+        if layer == "embed":
+            picked.add(0)
+            continue
+        if layer == "all":
+            picked.update(range(1, n_layers + 1))
+            continue
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise InvalidRequest(f"a layer is an integer, 'embed' or 'all', not {layer!r}")
+        number = layer + n_layers + 1 if layer < 0 else layer
+        if not 0 <= number <= n_layers:
+            raise InvalidRequest(
+                f"layer {layer} does not exist: the model has {n_layers} layers "
+                f"(0 = embedding, 1..{n_layers}; negative numbers count back from {n_layers})"
+            )
+        picked.add(number)
+    if not picked:
+        raise InvalidRequest("no layers picked")
+    return tuple(sorted(picked))
+
+
+def normalise_sites(sites: str | Sequence[str]) -> tuple[str, ...]:
+    """Distinct sites in the model's order; `InvalidRequest` naming the valid ones."""
+    picked = set(_as_list(sites))
+    unknown = sorted(str(site) for site in picked - set(SITES))
+    if unknown:
+        raise InvalidRequest(
+            f"unknown site(s) {', '.join(map(repr, unknown))}: a site is one of {SITES} "
+            "('resid' after the layer, 'resid_mid' between attention and MLP, 'attn'/'mlp' "
+            "what that block writes)"
+        )
+    if not picked:
+        raise InvalidRequest(f"no sites picked: give one or more of {SITES}")
+    return tuple(site for site in SITES if site in picked)
+
+
+def lens_rows(layers: Sequence[int], sites: Sequence[str]) -> tuple[Row, ...]:
+    """Every (layer, site) pair, sorted as the model computes them; the embedding (layer 0)
+    is a stream with no blocks, so only its 'resid' row exists."""
+    rows = tuple(
+        (layer, site) for layer in layers for site in sites if layer > 0 or site == "resid"
+    )
+    if not rows:
+        raise InvalidRequest(
+            f"layers {list(layers)} have none of the sites {list(sites)}: the embedding "
+            "(layer 0) has only the 'resid' site"
+        )
+    return rows
+
+
+def normalise_positions(positions: Any, length: int) -> tuple[int, ...] | None:
+    if positions is None:
+        return None
+    picked = set()
+    for pos in _as_list(list(positions) if isinstance(positions, range) else positions):
+        if isinstance(pos, bool) or not isinstance(pos, int) or not -length <= pos < length:
+            raise InvalidRequest(
+                f"position {pos!r} is outside the prompt: it has {length} tokens "
+                f"(0..{length - 1}, or -{length}..-1 from the end)"
+            )
+        picked.add(pos % length)
+    if not picked:
+        raise InvalidRequest("no positions picked")
+    return tuple(sorted(picked))
+
+
+def _target(tokenizer: Any, vocab: int, target: Any) -> Target:
+    """A target token: an id, or the first token of a string's tokenization."""
+    if isinstance(target, bool) or not isinstance(target, (str, int)):
+        raise InvalidRequest(f"a target is a string or a token id, not {type(target).__name__}")
+    if isinstance(target, int):
+        if not 0 <= target < vocab:
+            raise InvalidRequest(
+                f"target token id {target} is outside the vocabulary 0..{vocab - 1}"
+            )
+        return Target(label=str(target), token_id=target, token=tokenizer.decode([target]))
+    ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise InvalidRequest(f"target {target!r} tokenizes to nothing: give a non-empty token")
+    return Target(label=target, token_id=ids[0], token=tokenizer.decode([ids[0]]))
+
+
+def single_token_target(tokenizer: Any, vocab: int, target: Any) -> Target:
+    """A target that is exactly one token: a string of several tokens is refused, with its
+    tokenization shown, where taking its first token would silently answer another question
+    (attribution of a logit is per token)."""
+    if isinstance(target, str):
+        pieces = describe_target(tokenizer, target)
+        if len(pieces) > 1:
+            raise InvalidRequest(
+                f"target {target!r} is {len(pieces)} tokens ({pieces}): give one token, e.g. "
+                f"{pieces[0]!r}, or its token id"
+            )
+    return _target(tokenizer, vocab, target)
+
+
+def describe_target(tokenizer: Any, text: str) -> list[str]:
+    """How ``text`` tokenizes, token by token (the lens uses the first)."""
+    return [tokenizer.decode([i]) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]

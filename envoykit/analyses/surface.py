@@ -1,0 +1,239 @@
+"""What every holder of an engine offers: lens, attribution, patching, comparison, traces.
+
+`EngineSurface` is the request side of `Engine`, written against three things only — the
+envoy tree (``model``), the model's shape (``info``) and a guard that gives the engine to
+one request at a time (``exclusive``) — so an engine in this process and one reached through
+a server offer the same methods with the same checks and the same results. The computing
+itself lives in the other modules of `envoykit.analyses` (lens, attribution, patching, sweep,
+compare), which take the envoy tree and a `Readout`, never an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from envoykit.errors import InvalidRequest
+from envoykit.model.readout import Readout
+
+if TYPE_CHECKING:
+    from envoykit.analyses.patching import Patch
+    from envoykit.analyses.tuned import TunedLens
+    from envoykit.results.attribution import AttributionResult
+    from envoykit.results.compare import CompareResult
+    from envoykit.results.sweep import SweepResult
+    from envoykit.runtime.info import ModelInfo
+
+
+class EngineSurface:
+    """The request side of an engine; subclasses provide `model`, `info` and `exclusive`."""
+
+    @property
+    def model(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def info(self) -> ModelInfo:
+        raise NotImplementedError
+
+    def exclusive(self) -> AbstractContextManager:
+        raise NotImplementedError
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def readout(self) -> Readout:
+        """Where this model's decoder layers, final norm and unembedding live."""
+        return self.model.readout
+
+    def trace(self, *prompts: Any, **kwargs: Any) -> Any:
+        """nnsight's trace on this engine; greedy and one new token unless told otherwise.
+
+        Its run is serialised with every other request and guarded like `lens`: a dead
+        engine raises `EngineDead`, an interrupt aborts what it left in flight.
+        """
+        kwargs.setdefault("temperature", 0.0)
+        kwargs.setdefault("max_tokens", 1)
+        return self.model.trace(*prompts, **kwargs)
+
+    def lens(
+        self,
+        prompt: str | list[str],
+        *,
+        layers: Any = None,
+        positions: Any = None,
+        top_k: int = 10,
+        targets: Any = (),
+        generate: int = 0,
+        sites: str | Sequence[str] = ("resid",),
+        reduce_dtype: str = "float32",
+        patch: Patch | Sequence[Patch] | None = None,
+        compare: bool = False,
+        translator: TunedLens | None = None,
+    ) -> Any:
+        """Logit lens of ``prompt`` in one forward pass, reduced on the ranks.
+
+        ``layers``: None/"all" (decoder layers 1..n), numbers (negative from the end), a
+        range, and/or "embed" (layer 0). ``sites``: any of "resid" (after the layer),
+        "resid_mid" (between its attention and MLP), "attn" and "mlp" (what that block
+        writes, normalised on its own: see `envoykit.analyses.lens`); one row per layer and site.
+        ``targets``: strings (their first token) or token ids. ``generate=N`` also lenses
+        the N greedily generated tokens. ``reduce_dtype``: precision of the reductions on
+        the ranks ("float32", or "float64"). A list of prompts gives a list of results
+        (one trace). ``patch``: an `ek.Patch` or a list of them; the result is the lens of
+        the patched run (see `envoykit.analyses.patching`), and its ``meta["patches"]`` says so.
+        ``compare=True`` with two prompts gives their `CompareResult` (`envoykit.analyses.compare`).
+        ``translator``: a `TunedLens` of this model; the residual-stream rows go through its
+        translators on the ranks (a tuned lens), and ``meta["lens"]`` says "tuned".
+
+        Returns a `LensResult` (a list of them for a list of prompts).
+        """
+        from envoykit.analyses import lens, patching, request
+
+        if compare:
+            return self._compare_prompts(prompt, layers, positions, targets, sites, patch)
+        info = self.info
+        req = request.build_request(
+            self.tokenizer,
+            info.n_layers,
+            info.vocab,
+            info.max_model_len,
+            prompt,
+            layers=layers,
+            positions=positions,
+            top_k=top_k,
+            targets=targets,
+            generate=generate,
+            sites=sites,
+            reduce_dtype=reduce_dtype,
+        )
+        patches = patching.as_patches(patch)
+        plan = {}
+        if patches:
+            if len(req.prompts) != 1:
+                raise InvalidRequest("a patch goes into one target prompt, not a list of them")
+            plan = patching.plan_writes(self.tokenizer, patches, req.prompt_ids[0], info.n_layers)
+        if any(site != "resid" for _, site in req.rows) or any(p.site != "resid" for p in patches):
+            self.readout.require_sublayers()
+        key = None
+        if translator is not None:
+            if any(site != "resid" for _, site in req.rows):
+                raise InvalidRequest(
+                    "tuned-lens translators are trained for the residual stream after each "
+                    "layer: use sites=('resid',) with a translator"
+                )
+            key = self._install_translator(translator)
+        meta = self._result_meta()
+        if key is not None:
+            meta.update(lens="tuned", translator=key)
+        if patches:
+            meta["patches"] = [dataclasses.asdict(p) for p in patches]
+        # The whole trace under the guard, not only its run: nnsight cannot build two traces
+        # on one model from two threads at once.
+        with self.exclusive():
+            writes = patching.source_writes(self.model, self.readout, plan)
+            results = lens.run(self.model, self.readout, req, meta, writes=writes, translator=key)
+        return results if isinstance(prompt, (list, tuple)) else results[0]
+
+    def _install_translator(self, translator: TunedLens) -> str:
+        """Make ``translator`` available on the ranks; its key. Engines that can reach their
+        ranks override this."""
+        raise InvalidRequest(f"{type(self).__name__} cannot install tuned-lens translators")
+
+    def _compare_prompts(
+        self, prompts: Any, layers: Any, positions: Any, targets: Any, sites: Any, patch: Any
+    ) -> CompareResult:
+        from envoykit.analyses.compare import compare
+
+        if not isinstance(prompts, (list, tuple)) or len(prompts) != 2:
+            raise InvalidRequest("compare=True compares two prompts: lens([a, b], compare=True)")
+        if patch is not None or tuple(sites) != ("resid",):
+            raise InvalidRequest(
+                "compare=True compares the residual stream of two plain prompts; for a patched "
+                "run use ek.compare((engine, prompt), (engine, prompt, patch))"
+            )
+        a, b = prompts
+        return compare((self, a), (self, b), layers=layers, positions=positions, targets=targets)
+
+    def attribute(
+        self,
+        prompt: str,
+        targets: str | int | Sequence[str | int],
+        *,
+        positions: int | Sequence[int] | None = None,
+    ) -> AttributionResult:
+        """Direct logit attribution: how much the embedding and each layer's attention and
+        MLP write into each target's final logit, at each position (see
+        `envoykit.analyses.attribution`). Targets must be single tokens (strings or ids).
+
+        Returns an `AttributionResult` whose ``values.sum(0)`` equals its ``logits``.
+        """
+        from envoykit.analyses import attribution
+
+        info = self.info
+        req = attribution.build_request(
+            self.tokenizer, info.vocab, info.max_model_len, prompt, targets, positions
+        )
+        with self.exclusive():
+            return attribution.run(self.model, self.readout, req, self._result_meta())
+
+    def patch_sweep(
+        self,
+        source: str,
+        target: str,
+        *,
+        layers: Any = None,
+        positions: Any = None,
+        site: str = "resid",
+        metric: str = "prob",
+        target_token: str | int,
+        other_token: str | int | None = None,
+        batch: int = 8,
+        progress: bool = True,
+    ) -> SweepResult:
+        """Causal tracing: patch ``source``'s stream into ``target`` at every (layer,
+        position) and measure the target's next token at its last position.
+
+        Both prompts must tokenize to the same length (position p is copied to position p).
+        ``metric``: "prob" (``target_token``'s probability) or "logit_diff" (its logit minus
+        ``other_token``'s). Runs ``batch`` patched copies of the target per trace (one
+        invoke each), reduced on the ranks to one number each, with a progress bar; an
+        interrupt stops it between batches and leaves the engine usable.
+        """
+        from envoykit.analyses import sweep
+
+        info = self.info
+        req = sweep.build_request(
+            self.tokenizer,
+            info.n_layers,
+            info.vocab,
+            source,
+            target,
+            layers=layers,
+            positions=positions,
+            site=site,
+            metric=metric,
+            target_token=target_token,
+            other_token=other_token,
+            batch=batch,
+        )
+        if site != "resid":
+            self.readout.require_sublayers()
+        return sweep.run(
+            self.model, self.readout, req, self._result_meta(), self.exclusive, progress
+        )
+
+    def _result_meta(self) -> dict[str, Any]:
+        """What every result records about the engine that produced it."""
+        info = self.info
+        return {"model": info.name, "tp": info.tp, "dtype": info.dtype, "vocab": info.vocab}
+
+    def locations(self) -> list:
+        """Every location whose value is whole at any TP size (`envoykit.model.envoys.Location`)."""
+        from envoykit.model.envoys import whole_locations
+
+        return whole_locations(self.model._module)

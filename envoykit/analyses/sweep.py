@@ -1,0 +1,166 @@
+"""Causal tracing (Meng et al., 2022): patch a source prompt's stream into a target prompt at
+every (layer, position) and measure what the target then predicts.
+
+The source runs once and every cell's value comes back (``d_model`` numbers a cell); then
+the target runs in batches of patched copies, one invoke per cell, several per trace, each
+reduced on the ranks to one number from the model's own last-position logits. A batch is the
+unit of interruption: Ctrl-C stops the sweep between batches and aborts the one in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from envoykit.analyses.patching import Cell, Write, metric_of_runs, read_cells
+from envoykit.analyses.request import (
+    SITES,
+    Target,
+    normalise_layers,
+    normalise_positions,
+    normalise_prompts,
+    single_token_target,
+)
+from envoykit.errors import InvalidRequest
+from envoykit.model.readout import Readout
+from envoykit.results.sweep import METRICS, SweepResult
+
+
+@dataclass(frozen=True)
+class SweepRequest:
+    """A checked sweep: both prompts tokenized to the same length, every cell in range."""
+
+    source: str
+    target: str
+    source_ids: tuple[int, ...]
+    target_ids: tuple[int, ...]
+    layers: tuple[int, ...]
+    positions: tuple[int, ...]
+    site: str
+    metric: str
+    target_token: Target
+    other_token: Target | None
+    batch: int
+
+    @property
+    def cells(self) -> list[Cell]:
+        """Every (layer, position), row by row."""
+        return [Cell(layer, self.site, p) for layer in self.layers for p in self.positions]
+
+
+def build_request(
+    tokenizer: Any,
+    n_layers: int,
+    vocab: int,
+    source: str,
+    target: str,
+    *,
+    layers: Any = None,
+    positions: Any = None,
+    site: str = "resid",
+    metric: str = "prob",
+    target_token: str | int,
+    other_token: str | int | None = None,
+    batch: int = 8,
+) -> SweepRequest:
+    """Check a sweep before anything reaches the ranks."""
+    (source,) = normalise_prompts(source)
+    (target,) = normalise_prompts(target)
+    source_ids = tuple(tokenizer(source)["input_ids"])
+    target_ids = tuple(tokenizer(target)["input_ids"])
+    if len(source_ids) != len(target_ids):
+        shown = [[tokenizer.decode([i]) for i in ids] for ids in (source_ids, target_ids)]
+        raise InvalidRequest(
+            "a sweep copies position p of the source into position p of the target, so both "
+            f"prompts must have as many tokens: the source has {len(source_ids)} {shown[0]}, "
+            f"the target {len(target_ids)} {shown[1]}"
+        )
+    for name, value in (("layers", layers), ("positions", positions)):
+        if value is not None and not isinstance(value, (str, int)) and len(value) == 0:
+            raise InvalidRequest(f"an empty sweep: no {name} given")
+    if site not in SITES:
+        raise InvalidRequest(f"unknown site {site!r}: a site is one of {SITES}")
+    picked = normalise_layers(("embed", "all") if layers is None else layers, n_layers)
+    if site != "resid":
+        picked = tuple(layer for layer in picked if layer > 0)
+        if not picked:
+            raise InvalidRequest(f"the embedding (layer 0) has no {site!r} site: pick layers >= 1")
+    if metric not in METRICS:
+        raise InvalidRequest(f"metric must be one of {list(METRICS)}, not {metric!r}")
+    if (metric == "logit_diff") != (other_token is not None):
+        raise InvalidRequest(
+            "metric='logit_diff' needs other_token (and 'prob' takes none): the logit "
+            "difference is target_token's logit minus other_token's"
+        )
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InvalidRequest(f"batch must be an integer >= 1, not {batch!r}")
+    return SweepRequest(
+        source=source,
+        target=target,
+        source_ids=source_ids,
+        target_ids=target_ids,
+        layers=picked,
+        positions=normalise_positions(positions, len(target_ids)) or tuple(range(len(target_ids))),
+        site=site,
+        metric=metric,
+        target_token=single_token_target(tokenizer, vocab, target_token),
+        other_token=None
+        if other_token is None
+        else single_token_target(tokenizer, vocab, other_token),
+        batch=batch,
+    )
+
+
+def run(
+    model: Any,
+    readout: Readout,
+    request: SweepRequest,
+    meta: dict[str, Any],
+    guard: Callable[[], AbstractContextManager],
+    progress: bool = True,
+) -> SweepResult:
+    """Run ``request`` on ``model``; every trace under ``guard`` (the engine's lock)."""
+    from tqdm.auto import tqdm
+
+    target_id = request.target_token.token_id
+    other_id = None if request.other_token is None else request.other_token.token_id
+
+    def metrics(prompt: str, runs: Sequence[Sequence[Write]]) -> list[float]:
+        with guard():
+            return metric_of_runs(model, readout, prompt, runs, request.metric, target_id, other_id)
+
+    cells = request.cells
+    with guard():
+        sources = read_cells(model, readout, request.source, cells)
+    (clean,) = metrics(request.target, [[]])
+    (source_value,) = metrics(request.source, [[]])
+    values: list[float] = []
+    with tqdm(total=len(cells), desc="patch sweep", disable=not progress) as bar:
+        for start in range(0, len(cells), request.batch):
+            chunk = sources[start : start + request.batch]
+            values += metrics(request.target, [[item] for item in chunk])
+            bar.update(len(chunk))
+    tokenizer = model.tokenizer
+    other = request.other_token
+    return SweepResult(
+        source=request.source,
+        target=request.target,
+        tokens=tuple(tokenizer.decode([request.target_ids[p]]) for p in request.positions),
+        source_tokens=tuple(tokenizer.decode([request.source_ids[p]]) for p in request.positions),
+        layers=np.array(request.layers),
+        positions=np.array(request.positions),
+        site=request.site,
+        metric=request.metric,
+        target_token=request.target_token.token,
+        other_token=None if other is None else other.token,
+        values=np.array(values, dtype=np.float32).reshape(
+            len(request.layers), len(request.positions)
+        ),
+        clean=clean,
+        source_value=source_value,
+        meta={**{k: v for k, v in meta.items() if k != "vocab"}, "batch": request.batch},
+    )

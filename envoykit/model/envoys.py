@@ -1,0 +1,418 @@
+"""The envoys map: nnsight's `ParallelEnvoy` plus what it misses.
+
+nnsight already makes the value at a column- or row-parallel linear whole while a trace reads
+it, and an ad-hoc call on one take and return whole tensors (`ParallelEnvoy`, off the rules
+``VLLMFragments`` records). Four gaps remain on a tensor-parallel vLLM engine, and each gives a
+refusal or, worse, a silently wrong number:
+
+* **The unembedding.** vLLM's ``ParallelLMHead.forward`` raises on purpose (its weight is
+  meant for the sampler), and no fragment rule covers it, so ``model.lm_head(hidden)`` — the
+  call a logit lens makes — fails at every TP size. `UnembedEnvoy` routes the call through the
+  model's own ``logits_processor``, which applies the head's quant method, all-gathers the
+  vocab shards, strips the vocab padding and applies logit scale and soft-cap: the result is
+  what the model itself samples from. With tied embeddings the head *is* the embedding module
+  (one module, one envoy, two paths), so that envoy tells a lookup (integer ids) from an
+  unembedding (float hidden states) by the input's dtype.
+* **Merged column layers.** ``qkv_proj`` and ``gate_up_proj`` come back from the all-gather in
+  rank order (``[q0,k0,v0,q1,k1,v1]``), unlike TP=1 and the checkpoint (``[q|k|v]``).
+  `CheckpointOrderFragments` reorders them when made whole and cuts edits back into each
+  rank's own layout, so slicing by head means the same thing at every TP size.
+* **Shards nothing gathers.** Modules between a column- and a row-parallel layer that are not
+  parallel layers themselves (``mlp.act_fn``, the attention kernel, rotary embedding) hold one
+  rank's piece at TP>=2 with no warning. `ShardedEnvoy` refuses reads and writes there with a
+  `ShardedValue` naming the nearest whole-valued locations.
+* Everything else keeps nnsight's behaviour.
+
+Where each piece lives follows from how nnsight ships trace code: envoys travel to the ranks
+*by value* (their modules and the interleaver by reference), so the envoy classes that run are
+the client's — `EnvoykitVLLM` builds the client tree with this map — while the fragment rules
+belong to each rank's interleaver — `InstallFragments` puts them there. Nothing here is
+CPU-specific: the CPU and GPU workers install the same rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+from unittest import mock
+
+import torch
+from nnsight.intervention.envoy import Envoy
+from nnsight.modeling.vllm import VLLM
+from nnsight.modeling.vllm.envoys import ParallelEnvoy
+from nnsight.modeling.vllm.fragments import VLLMFragments
+from nnsight.util import apply
+
+from envoykit.errors import InvalidRequest, ShardedValue
+from envoykit.model.readout import Readout, decoder_layers, lm_head_only, unembedding_module
+from envoykit.model.vocab_shard import VocabShard
+
+
+def envoys_map() -> dict:
+    """The class entries of the ``envoys=`` map, matched on a module's MRO as nnsight does."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return {
+        VocabParallelEmbedding: UnembedEnvoy,
+        ColumnParallelLinear: ParallelEnvoy,
+        RowParallelLinear: ParallelEnvoy,
+    }
+
+
+class EnvoykitVLLM(VLLM):
+    """nnsight's VLLM with envoykit's envoys map, shard guard and worker class.
+
+    The shard guard's entries are exact module paths, found on the structure-only tree
+    that ``_load`` builds; the envoy tree is built from the map right after, so the paths
+    are added to the same map object in between. The model's `Readout` is found on that
+    tree too, before any rank starts, so a model envoykit cannot read fails fast.
+
+    ``request_guard`` wraps every run of the engine (a trace as much as a lens): the owning
+    `Engine` puts its lock, its `EngineDead` translation and its interrupt handling there.
+    """
+
+    request_guard: Callable[[], AbstractContextManager] = contextlib.nullcontext
+
+    def __init__(self, *args: Any, worker_cls: str, tensor_parallel_size: int, **kwargs: Any):
+        self._WORKER_CLS = worker_cls
+        self._envoys_map = envoys_map()
+        self._split = tensor_parallel_size
+        super().__init__(
+            *args, envoys=self._envoys_map, tensor_parallel_size=tensor_parallel_size, **kwargs
+        )
+
+    def __getstate__(self) -> dict:
+        # Trace code ships this envoy to the ranks by value; the guard is the owner's.
+        state = super().__getstate__()
+        state.pop("request_guard", None)
+        return state
+
+    def _load_meta(self, repo_id: str, **kwargs: Any) -> torch.nn.Module:
+        meta_model = super()._load_meta(repo_id, **kwargs)
+        self.readout = Readout.find(meta_model)
+        return meta_model
+
+    def _load(self, repo_id: str, **kwargs: Any) -> torch.nn.Module:
+        meta_model = super()._load(repo_id, **kwargs)
+        if self._split > 1:
+            self._envoys_map.update(dict.fromkeys(sharded_paths(meta_model), ShardedEnvoy))
+        return meta_model
+
+    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+        """nnsight's call without vLLM's per-call progress bars (two per lens in a notebook)."""
+        with self.request_guard():
+            mediators = self._attach_mediators(params, **kwargs)
+            outputs = self.vllm_entrypoint.generate(
+                prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
+            )
+            self._collect(mediators, outputs)
+        return outputs
+
+    @staticmethod
+    def _collect(mediators: list, outputs: list) -> None:
+        """Re-raise envoykit's own errors from the ranks as themselves.
+
+        nnsight brings a rank's exception back as a ``RuntimeError`` carrying the original
+        type's name; for the errors envoykit raises on purpose the caller gets the class it
+        can catch (``except ek.ShardedValue``), with the same message.
+        """
+        for output in outputs:
+            error = getattr(output, "nnsight_error", None) or {}
+            known = _RAISED_ON_RANKS.get(error.get("type_name"))
+            if known is not None:
+                raise known(error.get("message", ""))
+        VLLM._collect(mediators, outputs)
+
+
+_RAISED_ON_RANKS = {cls.__name__: cls for cls in (InvalidRequest, ShardedValue)}
+
+
+class UnembedEnvoy(ParallelEnvoy):
+    """The embedding and the LM head: whole ids in, whole embeddings or whole logits out."""
+
+    def __call__(self, *args: Any, hook: bool = False, **kwargs: Any) -> Any:
+        """Look up token ids, or unembed hidden states ``[tokens, d_model] -> [tokens, vocab]``.
+
+        Float input means hidden states: they go through the model's own logits processor,
+        the same call its ``compute_logits`` makes, so the result equals the logits the model
+        samples from. Integer input is a lookup; vLLM's embedding forward already all-reduces
+        the masked per-rank lookups into the whole embedding.
+        """
+        (value,) = args
+        if not value.is_floating_point():
+            if self._module is lm_head_only(self.root._module):
+                raise InvalidRequest(
+                    f"{self.path} is the model's LM head (a separate unembedding matrix): it "
+                    "takes hidden states [tokens, d_model], not token ids"
+                )
+            return super().__call__(*args, hook=hook, **kwargs)
+        root = self.root._module
+        if self._module is not unembedding_module(root):
+            raise InvalidRequest(
+                f"{self.path} is an input embedding, not the model's unembedding: it takes "
+                "integer token ids; unembed hidden states with model.lm_head(...)"
+            )
+        return root.logits_processor(self._module, value)
+
+    def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Whole rows ``[n, d_model]`` of the unembedding matrix for ``token_ids``, any TP.
+
+        Direct logit attribution needs the targets' rows, not full-vocab logits. They are a
+        vocab-parallel lookup in the head's own weight: each rank looks up the ids it holds,
+        the others give zeros, one all-reduce sums them. That is the embedding's forward;
+        vLLM's ``ParallelLMHead`` refuses its own (the weight is meant for the sampler), so
+        the base class's forward is called on the head directly.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        module = unembedding_module(self.root._module)
+        return VocabParallelEmbedding.forward(module, token_ids)
+
+    def vocab_shard(self) -> VocabShard:
+        """This rank's slice of the unembedding, for reductions that need no whole logits.
+
+        The slice's logits come from the model's own logits processor without its gather
+        (quant method, soft-cap and logit scale applied as for sampling); the rank's padding
+        columns, past its last real token, are cut off. The exchange is the tensor-parallel
+        group's all-gather, on whatever device and backend the engine uses.
+        """
+        from vllm.distributed import get_tp_group
+
+        root = self.root._module
+        module = unembedding_module(root)
+        indices = module.shard_indices
+        size = indices.num_org_elements
+        group = get_tp_group()
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            return root.logits_processor(module, hidden, skip_gather=True)[..., :size]
+
+        def gather(value: torch.Tensor) -> torch.Tensor:
+            value = value.unsqueeze(0).contiguous()
+            if group.world_size == 1:
+                return value
+            # A gather only copies bytes: float64, which the CPU backend's shared-memory
+            # gather lacks, travels as the float32 words of the same bytes.
+            words = value.view(torch.float32) if value.dtype == torch.float64 else value
+            return group.all_gather(words, dim=0).view(value.dtype)
+
+        return VocabShard(logits, indices.org_vocab_start_index, size, gather)
+
+
+class ShardedEnvoy(Envoy):
+    """A location that holds one rank's piece at TP>=2: reads and writes are refused."""
+
+    def _refuse(self, side: str) -> None:
+        parent = self.parent
+        hints = []
+        if parent is not None:
+            column, row = _parallel_siblings(parent._module)
+            hints = [f"{parent.path}.{column}.output", f"{parent.path}.{row}.input"]
+        raise ShardedValue(
+            f"{self.path}.{side} holds one rank's piece of the tensor at this tensor-parallel "
+            "size, and nothing gathers it. Read a whole-valued location nearby instead: "
+            f"{' or '.join(hints) or 'the enclosing block'} (or start the engine with "
+            "tensor_parallel_size=1)."
+        )
+
+    @property
+    def output(self) -> Any:
+        self._refuse("output")
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        self._refuse("output")
+
+    @property
+    def input(self) -> Any:
+        self._refuse("input")
+
+    @input.setter
+    def input(self, value: Any) -> None:
+        self._refuse("input")
+
+    @property
+    def inputs(self) -> Any:
+        self._refuse("input")
+
+    @inputs.setter
+    def inputs(self, value: Any) -> None:
+        self._refuse("input")
+
+
+def _parallel_siblings(block: torch.nn.Module) -> tuple[str | None, str | None]:
+    """Names of the column- and row-parallel children of ``block``, if it has both."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    column = row = None
+    for name, child in block.named_children():
+        if isinstance(child, ColumnParallelLinear) and not child.gather_output:
+            column = column or name
+        elif isinstance(child, RowParallelLinear) and child.input_is_parallel:
+            row = row or name
+    return column, row
+
+
+def sharded_paths(model: torch.nn.Module) -> list[str]:
+    """Module paths whose values are one rank's piece when the model is sharded.
+
+    A block with a column-parallel layer (output split by feature) and a row-parallel layer
+    (input split by feature) computes on pieces between the two; its other children hold
+    those pieces. Children that themselves contain parallel layers are blocks of their own.
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+
+    found = []
+    for block_name, block in model.named_modules():
+        column, row = _parallel_siblings(block)
+        if column is None or row is None:
+            continue
+        for name, child in block.named_children():
+            if name in (column, row):
+                continue
+            if any(isinstance(m, LinearBase) for m in child.modules()):
+                continue
+            found.append(f"{block_name}.{name}" if block_name else name)
+    return found
+
+
+class CheckpointOrderFragments(VLLMFragments):
+    """`VLLMFragments` that hands merged column layers back in checkpoint order.
+
+    An all-gather concatenates each rank's ``[q_r | k_r | v_r]``; the checkpoint (and TP=1)
+    has ``[q | k | v]``. Reordered on the way to intervention code, and cut back into the
+    rank's own ``[q_r | k_r | v_r]`` on the way into the model, so an edit written in
+    checkpoint order lands in the right place on every rank.
+    """
+
+    def whole(self, location: str, value: Any) -> tuple[Any, Any]:
+        value, _ = super().whole(location, value)
+        module, side = self.rules[location]
+        if side == "output" and _merged_layout(module) is not None:
+            value = apply(value, partial(_to_checkpoint_order, module), torch.Tensor)
+        return value, partial(self.split, location)
+
+    def split(self, location: str, whole: Any) -> Any:
+        module, side = self.rules[location]
+        if side == "output" and _merged_layout(module) is not None:
+            return apply(whole, partial(_rank_piece, module), torch.Tensor)
+        return super().split(location, whole)
+
+
+def _merged_layout(module: torch.nn.Module) -> list[tuple[int, int]] | None:
+    """Per part of a merged column layer: (size on one rank, ranks holding the same piece).
+
+    KV heads are replicated when there are more ranks than KV heads; the gather then
+    carries each of them ``num_kv_head_replicas`` times and one copy is kept.
+    """
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    if isinstance(module, QKVParallelLinear):
+        replicas = module.num_kv_head_replicas
+        q, k, v = module.output_partition_sizes
+        return [(q, 1), (k, replicas), (v, replicas)]
+    if isinstance(module, MergedColumnParallelLinear):
+        return [(size, 1) for size in module.output_partition_sizes]
+    return None
+
+
+def _to_checkpoint_order(module: torch.nn.Module, gathered: torch.Tensor) -> torch.Tensor:
+    layout = _merged_layout(module)
+    per_rank = sum(size for size, _ in layout)
+    if gathered.shape[-1] != per_rank * module.tp_size:
+        return gathered
+    by_rank = gathered.unflatten(-1, (module.tp_size, per_rank))
+    parts = by_rank.split([size for size, _ in layout], dim=-1)
+    return torch.cat(
+        [part[..., ::replicas, :].flatten(-2) for part, (_, replicas) in zip(parts, layout)],
+        dim=-1,
+    )
+
+
+def _rank_piece(module: torch.nn.Module, whole: torch.Tensor) -> torch.Tensor:
+    layout = _merged_layout(module)
+    distinct = [module.tp_size // replicas for _, replicas in layout]
+    if whole.shape[-1] != sum(size * n for (size, _), n in zip(layout, distinct)):
+        return whole
+    parts = whole.split([size * n for (size, _), n in zip(layout, distinct)], dim=-1)
+    rank = module.tp_rank
+    pieces = [
+        part.unflatten(-1, (n, size))[..., rank // replicas, :]
+        for part, (size, replicas), n in zip(parts, layout, distinct)
+    ]
+    return torch.cat(pieces, dim=-1).contiguous()
+
+
+class InstallFragments:
+    """Model-runner mixin: give the rank's interleaver `CheckpointOrderFragments`.
+
+    nnsight's runner builds its interleaver in ``load_model`` with ``VLLMFragments`` and
+    offers no argument for it, so the name is swapped for the length of that one call,
+    inside the rank process only.
+    """
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        nnsight_runner = importlib.import_module(
+            "nnsight.modeling.vllm.model_runners.GPUModelRunner"
+        )
+        with mock.patch.object(nnsight_runner, "VLLMFragments", CheckpointOrderFragments):
+            super().load_model(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class Location:
+    """A location whose value is whole at every TP size.
+
+    ``kind`` is one of ``embed``, ``layer`` (a decoder layer's output: the residual stream
+    is ``output[0] + output[1]``), ``attn`` (attention output projection), ``mlp`` (MLP
+    output projection), ``proj`` (a column-parallel projection, in checkpoint order),
+    ``norm``, ``lm_head``. ``layer`` is the decoder layer index, or None outside the layers.
+    """
+
+    path: str
+    kind: str
+    layer: int | None
+
+
+def whole_locations(model: torch.nn.Module) -> list[Location]:
+    """Every location of ``model`` whose value is whole at any TP size, in module order."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    layers_path, layers = decoder_layers(model)
+    index = {id(layer): i for i, layer in enumerate(layers)}
+    found: list[Location] = []
+    current: int | None = None
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        prefix = f"{layers_path}."
+        if path.startswith(prefix):
+            current = int(path[len(prefix) :].split(".")[0])
+        elif current is not None:
+            current = None
+        if id(module) in index:
+            kind = "layer"
+        elif isinstance(module, ParallelLMHead):
+            kind = "lm_head"
+        elif isinstance(module, VocabParallelEmbedding):
+            kind = "embed"
+        elif isinstance(module, RowParallelLinear):
+            kind = "attn" if "attn" in path.rsplit(".", 2)[-2] else "mlp"
+        elif isinstance(module, ColumnParallelLinear):
+            kind = "proj"
+        elif "norm" in type(module).__name__.lower():
+            kind = "norm"
+        else:
+            continue
+        found.append(Location(path, kind, current))
+    return found

@@ -1,0 +1,76 @@
+"""nnsight's worker and model runner on vLLM's CPU backend.
+
+Stock nnsight names its GPU worker as vLLM's ``worker_cls``; vLLM's CPU platform only
+substitutes its own worker when ``worker_cls == "auto"``, and nnsight's worker refuses any
+runner that is not exactly ``GPUModelRunner``. vLLM's ``CPUWorker`` and ``CPUModelRunner``
+subclass the GPU ones and nnsight's runner is written with cooperative ``super()``, so mixing
+nnsight's runner into ``CPUModelRunner`` gives a runner that interleaves interventions on
+CPU, and a ``CPUWorker`` subclass that builds it and answers nnsight's four RPCs is the whole
+worker. This module is imported by the spawned rank processes through its dotted path.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+from vllm.v1.worker import cpu_worker
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _set_torch_accelerator_to_noop
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from envoykit.model.envoys import InstallFragments
+from envoykit.ranks.translators import TranslatorStore
+
+WORKER_CLS = "envoykit.ranks.cpu.NNsightCPUWorker"
+
+
+class NNsightCPUModelRunner(InstallFragments, NNsightGPUModelRunner, CPUModelRunner):
+    """vLLM's CPU runner with nnsight's interleaving and envoykit's fragment rules."""
+
+
+class NNsightCPUWorker(TranslatorStore, CPUWorker):
+    """vLLM's CPU worker building `NNsightCPUModelRunner` and serving nnsight's RPCs (and
+    envoykit's, which installs tuned-lens translators)."""
+
+    def init_device(self) -> None:
+        if self.vllm_config.model_config.enforce_eager:
+            _compile_nothing()
+        # CPUWorker.init_device constructs its runner by the module-level name; pointing
+        # that name at our subclass for this one call builds the runner we want directly.
+        with mock.patch.object(cpu_worker, "CPUModelRunner", NNsightCPUModelRunner):
+            super().init_device()
+        if not isinstance(self.model_runner, NNsightCPUModelRunner):
+            raise NotImplementedError(
+                f"vLLM built {type(self.model_runner).__name__}, which nnsight does not "
+                "instrument; unset VLLM_USE_V2_MODEL_RUNNER"
+            )
+
+    collect_nnsight = NNsightGPUWorker.collect_nnsight
+    nnsight_request_count = NNsightGPUWorker.nnsight_request_count
+    nnsight_register = NNsightGPUWorker.nnsight_register
+    nnsight_clear_registered = NNsightGPUWorker.nnsight_clear_registered
+
+
+def _compile_nothing() -> None:
+    """Run vLLM's few ``torch.compile``d helpers as plain Python in this rank.
+
+    An eager engine still compiles those: with more than one rank, the first forward
+    compiles the vocabulary-shard mask of the embedding (``get_masked_input_and_mask``) to
+    C++ in every rank, 10-12 s of the first lens of ``demo`` at TP=3 on two cores, for four
+    element-wise operations on the prompt's token ids. The stance is the process's (dynamo's
+    ``config.disable`` would hold for this thread only, not for nnsight's intervention
+    threads that make ad-hoc calls); set here, in the rank, it leaves the owner's
+    ``torch.compile`` alone.
+    """
+    torch.compiler.set_stance("force_eager")
+
+
+def prepare_client() -> None:
+    """Let the client build nnsight's structure-only model tree without an accelerator.
+
+    vLLM's loader calls ``torch.accelerator.empty_cache()``, which raises when there is none;
+    vLLM's CPU runner has the helper that makes those calls no-ops.
+    """
+    _set_torch_accelerator_to_noop()

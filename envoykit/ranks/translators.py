@@ -1,0 +1,59 @@
+"""Tuned-lens translators on the ranks: installed once per engine, applied inside traces.
+
+A tuned lens's translators (one ``d_model x d_model`` matrix and bias per layer: 40 MB for
+the demo model) would be most of every trace's payload if they travelled with the trace
+code. Instead each rank keeps them in this module's `INSTALLED`, keyed by a content hash:
+the owning engine sends them once through vLLM's ``collective_rpc`` (the worker method
+`TranslatorStore.envoykit_install_translators`), and trace code names only the key.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load as load_tensors
+
+# key -> {lens layer: (A [d, d], b [d])}, in each rank process.
+INSTALLED: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def unpack(blob: bytes) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Translators from the safetensors bytes `envoykit.analyses.tuned.TunedLens.to_bytes`
+    writes."""
+    tensors = load_tensors(blob)
+    layers = sorted({int(name.split(".")[1]) for name in tensors})
+    return {layer: (tensors[f"A.{layer}"], tensors[f"b.{layer}"]) for layer in layers}
+
+
+def translate(key: str, layer: int, stream: torch.Tensor) -> torch.Tensor:
+    """Inside a trace on a rank: ``stream + stream @ A.T + b`` with layer ``layer``'s
+    installed translator (float32, then back to the stream's dtype)."""
+    weight, bias = INSTALLED[key][layer]
+    x = stream.float()
+    return (x + x @ weight.to(x.device).T + bias.to(x.device)).to(stream.dtype)
+
+
+def translated(
+    streams: list[tuple[torch.Tensor, torch.Tensor | None]],
+    rows: list[tuple[int, str]],
+    key: str,
+    n_layers: int,
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Inside a trace: the lens rows with every residual-stream row before the last layer
+    translated (the last layer's stream is the model's output and stays exact)."""
+    out = []
+    for (layer, site), (hidden, residual) in zip(rows, streams):
+        if site == "resid" and layer < n_layers:
+            stream = hidden if residual is None else hidden + residual
+            out.append((translate(key, layer, stream), None))
+        else:
+            out.append((hidden, residual))
+    return out
+
+
+class TranslatorStore:
+    """Worker mixin: the RPC that installs translators in this rank's `INSTALLED`."""
+
+    def envoykit_install_translators(self, key: str, blob: bytes) -> int:
+        if key not in INSTALLED:
+            INSTALLED[key] = unpack(blob)
+        return len(INSTALLED[key])

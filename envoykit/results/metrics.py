@@ -1,0 +1,154 @@
+"""What a heatmap metric is — label, units, colour limits, colour map — defined once.
+
+The matplotlib heatmap (`envoykit.plot`) and the browser heatmap (``widgets/heatmap.js``)
+draw from the same `Metric`: the browser receives it in its payload, colour map included as a
+list of colour stops sampled here from matplotlib's own, so the two pictures agree and the JS
+keeps no table of its own. A target's probability is a metric like the others
+(`target_metric`), keyed by the label the target was asked with.
+
+>>> from envoykit.results.lens import LensResult
+>>> values, metric = metric_grid(LensResult.example(), "entropy")
+>>> values.shape, metric.title, metric.cmap
+((3, 2), 'entropy (nats)', 'magma_r')
+>>> colour_stops("Blues", 3)
+('#f7fbff', '#6aaed6', '#08306b')
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # types only: results draw through this module, so it must not import them
+    from envoykit.results.lens import LensResult, TargetTrace
+
+# Colour-map samples sent to the browser, which interpolates linearly between them: with 16
+# the largest difference from matplotlib's own 256-entry maps is a few levels out of 255.
+STOPS = 16
+
+# WCAG relative luminance at which black and white text contrast equally with the cell.
+_EVEN_CONTRAST = 0.179
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One quantity a heatmap colours cells by.
+
+    ``limits`` are the values the colour map's ends stand for; None takes the data's own
+    range, for unbounded quantities (entropy, KL) whose useful range depends on the model.
+    """
+
+    key: str
+    label: str
+    units: str
+    limits: tuple[float, float] | None
+    cmap: str
+
+    @property
+    def title(self) -> str:
+        """The label with its units, for an axis or a legend."""
+        return f"{self.label} ({self.units})" if self.units else self.label
+
+    def range(self, values: np.ndarray) -> tuple[float, float]:
+        """Colour limits for ``values``: the fixed ones, else the finite values' range.
+
+        A range never collapses to a point (all-equal values would have no colour scale).
+        """
+        if self.limits is not None:
+            return self.limits
+        finite = np.asarray(values, dtype=np.float64)
+        finite = finite[np.isfinite(finite)]
+        if not finite.size:
+            return (0.0, 1.0)
+        low, high = float(finite.min()), float(finite.max())
+        return (low, high if high > low else low + 1.0)
+
+    def scale(self, values: np.ndarray) -> dict[str, Any]:
+        """The definition as the browser needs it to colour ``values`` (JSON-ready)."""
+        vmin, vmax = self.range(values)
+        return {
+            "key": self.key,
+            "label": self.label,
+            "units": self.units,
+            "cmap": self.cmap,
+            "stops": list(colour_stops(self.cmap)),
+            "vmin": vmin,
+            "vmax": vmax,
+        }
+
+
+METRICS: dict[str, Metric] = {
+    metric.key: metric
+    for metric in (
+        Metric("prob", "top-1 probability", "", (0.0, 1.0), "Blues"),
+        Metric("entropy", "entropy", "nats", None, "magma_r"),
+        Metric("kl", "KL(final || layer)", "nats", None, "viridis_r"),
+    )
+}
+
+
+def target_metric(trace: TargetTrace) -> Metric:
+    """A target token's probability as a metric, keyed by the label it was asked with."""
+    return Metric(trace.label, f"p({trace.token!r})", "", (0.0, 1.0), "Greens")
+
+
+def metric_keys(res: LensResult) -> list[str]:
+    """Every metric ``res`` can be coloured by: the built-in ones, then its targets."""
+    return [*METRICS, *res.target_labels]
+
+
+def metric_grid(res: LensResult, key: str) -> tuple[np.ndarray, Metric]:
+    """The ``[layers, positions]`` values of metric ``key`` in ``res``, and its definition.
+
+    ``key`` is one of `METRICS` or a target (its label, token text or id, as
+    `LensResult.target` takes it).
+    """
+    if key in METRICS:
+        values = {"prob": res.top_probs[..., 0], "entropy": res.entropy, "kl": res.kl}[key]
+        return values, METRICS[key]
+    try:
+        trace = res.target(key)
+    except KeyError:
+        raise KeyError(
+            f"unknown metric {key!r}: use one of {list(METRICS)} or a target "
+            f"{list(res.target_labels)}"
+        ) from None
+    return trace.prob, target_metric(trace)
+
+
+@functools.cache
+def colour_stops(cmap: str, n: int = STOPS) -> tuple[str, ...]:
+    """``n`` colours (``"#rrggbb"``) sampled evenly along matplotlib's colour map ``cmap``."""
+    import matplotlib
+    from matplotlib.colors import to_hex
+
+    colours = matplotlib.colormaps[cmap](np.linspace(0.0, 1.0, n))
+    return tuple(to_hex(colour) for colour in colours)
+
+
+def text_colour(rgba: Sequence[float]) -> str:
+    """Near-black or white, whichever reads better on a cell of colour ``rgba`` (0–1 floats).
+
+    A transparent cell shows the white page under it. ``widgets/heatmap.js`` applies the same
+    rule to the cells it draws.
+    """
+    red, green, blue, *alpha = rgba
+    opacity = alpha[0] if alpha else 1.0
+    channels = [opacity * c + (1.0 - opacity) for c in (red, green, blue)]
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    luminance = 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+    return "#111111" if luminance > _EVEN_CONTRAST else "#ffffff"
+
+
+# The diff's metrics, as `plot.compare` colours them: JS divergence lies in [0, ln 2]; a
+# change of probability in [-1, 1], on a diverging map centred on no change.
+JS = Metric("js", "JS divergence", "nats", (0.0, float(np.log(2))), "Reds")
+
+
+def delta_metric(key: str, token: str, names: Sequence[str] = ("a", "b")) -> Metric:
+    """The change of ``token``'s probability from run ``names[0]`` to run ``names[1]``."""
+    return Metric(key, f"Δ p({token!r}), {names[1]} − {names[0]}", "", (-1.0, 1.0), "RdBu_r")

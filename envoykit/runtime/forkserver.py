@@ -1,0 +1,155 @@
+"""Start vLLM's engine core by forking a process that has imported vLLM already.
+
+Spawned, an engine core starts a fresh interpreter and imports torch, vLLM, nnsight and
+envoykit's worker: 6.6 s of a 20 s start of ``demo`` at TP=1 on two cores, paid after the
+owner's own imports of the same modules. Python's fork server (``multiprocessing.forkserver``)
+is one process per owner that imports them once (`PRELOAD`) and forks each engine core from
+there. On the CPU an engine starts it first thing (`start`), so its imports run beside the
+owner's on another core, and every later engine of the same owner (a restart, the next test)
+forks its core at once; ``ENVOYKIT_FORK_CORE=0`` spawns the core as vLLM does. Like Python's
+resource tracker the server lives as long as its owner: it exits when the owner does, a
+janitor removes its socket's directory after a killed owner, and `envoykit.runtime.cleanup` leaves
+both alone. Its preload list is the process's one: an owner that uses the fork server for
+its own work gets these imports too.
+
+Forking the owner itself would be quicker still, but an owner is a Jupyter kernel: threads,
+sockets, shared memory of the user's, and GNU OpenMP's thread pool, which does not survive
+a fork (after the owner has run a parallel torch op, the child's next one waits forever).
+The fork server is a clean interpreter that has run no torch op.
+
+A forked core starts with the fork server's state, so it takes over what the owner would
+have handed a spawned core (`_EngineCore.run`): the owner's environment as the engine was
+started, vLLM's logging config for this engine (vLLM reads it when it is imported), the
+signal at its parent's death against the fork server, and a collection before it exits
+(a forked process leaves with ``os._exit``; see `envoykit.runtime.lifeline`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing.context
+import multiprocessing.util
+import os
+import tempfile
+from collections.abc import Iterator
+from multiprocessing import forkserver
+from typing import Any
+
+from envoykit.runtime import lifeline, logs
+from envoykit.runtime.janitor import Janitor
+
+# "0" spawns engine cores as vLLM does; unset or "1", they are forked from the fork server.
+FORK_CORE = "ENVOYKIT_FORK_CORE"
+# What an engine core imports before it reads its config: vLLM's engine core and executor,
+# and through the worker module torch, nnsight and the model's vLLM classes; first, torch and
+# the engine's logging config (`envoykit.runtime.preload`).
+PRELOAD = [
+    "envoykit.runtime.preload",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.multiproc_executor",
+    "envoykit.ranks.cpu",
+]
+
+
+def enabled() -> bool:
+    """Not turned off in this process's environment (read at each start, so a test or a
+    user can spawn one engine's core and fork the next one's)."""
+    return os.environ.get(FORK_CORE, "1") != "0"
+
+
+def start() -> None:
+    """Start this process's fork server in the current environment, unless it runs.
+
+    Returns at once; the server imports `PRELOAD` in the background and serves the first
+    fork when it is done. The environment is the one its children's memory settings come
+    from (glibc reads ``MALLOC_*`` when a process starts, see
+    `envoykit.runtime.platform.rank_environment`); everything else a core reads is the owner's
+    environment at the time the core is made.
+    """
+    forkserver.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+    _watch_server()
+
+
+def running() -> list[int]:
+    """The processes this process's fork server keeps for the owner's life: the server and
+    its janitor (`_watch_server`); empty if no server was started."""
+    return [] if _watched is None else [_watched[0], _watched[1].pid]
+
+
+def _server_pid() -> int | None:
+    """The process id of this process's fork server (Python's own record of it)."""
+    return forkserver._forkserver._forkserver_pid
+
+
+# The fork server (its process id) and the janitor that cleans up after it.
+_watched: tuple[int, Janitor] | None = None
+
+
+def _watch_server() -> None:
+    """Start a janitor that removes the server's temporary directory once the owner is gone.
+
+    The server listens on a socket in the owner's multiprocessing temporary directory
+    (``pymp-*``), which Python removes only when the owner exits normally: every kernel
+    killed from its manager would leave one behind. One janitor per server; a server that
+    died and was started again gets a new one.
+    """
+    global _watched
+    import psutil
+
+    server = _server_pid()
+    if _watched is not None and _watched[0] == server:
+        return
+    others = [p.pid for p in psutil.Process().children(recursive=True) if p.pid != server]
+    janitor = Janitor([multiprocessing.util.get_temp_dir()], existing=others)
+    janitor.watch([server], [])
+    _watched = (server, janitor)
+
+
+@contextlib.contextmanager
+def engine_core() -> Iterator[None]:
+    """While vLLM starts an engine in this block, fork its engine core from the fork server."""
+    import vllm.v1.engine.utils as engine_utils
+
+    spawn_context = engine_utils.get_mp_context
+    engine_utils.get_mp_context = _ForkServerContext
+    try:
+        yield
+    finally:
+        engine_utils.get_mp_context = spawn_context
+
+
+class _EngineCore(multiprocessing.context.ForkServerProcess):
+    """vLLM's engine-core process, forked by the fork server; see the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        start()
+        self._server = _server_pid()
+        self._environ = dict(os.environ)
+
+    def run(self) -> None:
+        with contextlib.suppress(ImportError):
+            import setproctitle
+
+            # It moves the environment out of its way on first use, and gives up (vLLM names
+            # no process) if the environment has been rebuilt before.
+            setproctitle.getproctitle()
+        os.environ.clear()
+        os.environ.update(self._environ)
+        tempfile.tempdir = None  # the fork server's, computed in another environment
+        logs.apply_engine_config()
+        # The fork server's end of its life line: held here, it would keep the server (this
+        # process's parent) alive after the owner's death, and so this process too.
+        os.close(forkserver._forkserver._forkserver_alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+        lifeline.die_with_parent(parent=self._server)
+        try:
+            super().run()
+        finally:
+            gc.collect()
+
+
+class _ForkServerContext(multiprocessing.context.ForkServerContext):
+    Process = _EngineCore

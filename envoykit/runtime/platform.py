@@ -1,0 +1,141 @@
+"""What the machine can host: the platform, its ranks, and the environment vLLM reads.
+
+The one place CPU and GPU differ (besides the worker class): how many ranks fit, and on CPU
+which cores each rank binds to. Derived from this process's CPU affinity, so a container or
+``taskset`` limit is respected, and applied only to variables the user has not set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from envoykit.runtime import lifeline
+
+# Each core hosts at most 1.5 ranks on average: three ranks on two cores (the demo model's
+# natural split) run when asked for, but more sharing only adds context switches to every
+# collective. Unasked, a CPU engine gets no more ranks than cores (`default_ranks`).
+_RANKS_PER_CORE = 1.5
+
+
+def platform_name() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def usable_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def max_ranks(platform: str) -> int:
+    if platform == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return max(1, int(len(usable_cpus()) * _RANKS_PER_CORE))
+
+
+def default_ranks(platform: str) -> int:
+    """How many ranks an engine gets when no size is asked for: every GPU, or one rank per
+    core. Ranks sharing cores are slower than fewer ranks on all of them (demo on two cores,
+    measured before the lens reduced vocab-parallel: the lens took 1766 ms at TP=3 against
+    643 ms at TP=1, and the start 10 s longer), and on a CPU more ranks bring no memory a
+    rank lacks: they all share the machine's."""
+    if platform == "cuda":
+        return max_ranks(platform)
+    return len(usable_cpus())
+
+
+def worker_module(platform: str):
+    """The module holding this platform's worker class and client preparation."""
+    if platform == "cuda":
+        from envoykit.ranks import gpu
+
+        return gpu
+    from envoykit.ranks import cpu
+
+    return cpu
+
+
+def rank_environment(platform: str, tp: int) -> dict[str, str]:
+    """vLLM's CPU settings for ``tp`` ranks: every usable core bound to some rank.
+
+    vLLM's ``auto`` binding asserts one NUMA node per rank, so the binding is spelled out.
+    With at least as many cores as ranks each rank gets its own contiguous share (``"0,1"``
+    for one rank on two cores, ``"0|1"`` for two); with fewer, ranks share cores round-robin
+    (``"0|1|0"`` for three ranks on two cores). Measured on two cores with the demo model, one
+    rank on both cores ran the lens 1.6x faster than on one, and generation no slower.
+    """
+    if platform != "cpu":
+        return {}
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": core_binding(usable_cpus(), tp),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        # The engine core forks its ranks rather than spawning them (see
+        # `envoykit.runtime.lifeline.fork_ranks`): "0" spawns them as vLLM does.
+        lifeline.FORK_RANKS: "1",
+        # Deprecation notices from torch and vLLM internals (every all-gather warns once per
+        # rank and call site) and torch's C++ NUMA notices say nothing a user can act on;
+        # in a notebook they bury the output.
+        "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        # Large tensors on transparent huge pages: the lens's full-vocab temporaries are
+        # fresh allocations each call, and faulting them in 4 KiB at a time cost as much as
+        # computing them (log-softmax of 480 x 49152 floats: 100 ms, 45 ms on huge pages).
+        "THP_MEM_ALLOC_ENABLE": "1",
+        # ... and faulted in once. glibc serves allocations past 32 MiB (a lens's logits are
+        # ~90 MiB) from fresh mappings and unmaps them on free, so every call faulted its
+        # temporaries in again, and on huge pages the kernel compacted memory to find them:
+        # the reductions of a 16-token demo lens took 140-580 ms a call, 80-90 ms with freed
+        # memory kept in the heap for the next call. The price: a rank keeps its working
+        # memory between calls (demo at TP=1: ~940 MiB over its idle RSS, the same from 64 to
+        # 768 tokens).
+        "MALLOC_MMAP_MAX_": "0",
+        "MALLOC_TRIM_THRESHOLD_": str(2**62),
+    }
+
+
+def core_binding(cpus: list[int], tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` ranks on ``cpus``.
+
+    >>> core_binding([0, 1], 1), core_binding([0, 1], 2), core_binding([0, 1], 3)
+    ('0,1', '0|1', '0|1|0')
+    >>> core_binding([0, 1, 2, 3, 4], 2)
+    '0,1,2|3,4'
+    """
+    if tp > len(cpus):
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
+    share, extra = divmod(len(cpus), tp)
+    groups, start = [], 0
+    for rank in range(tp):
+        end = start + share + (rank < extra)
+        groups.append(",".join(str(cpu) for cpu in cpus[start:end]))
+        start = end
+    return "|".join(groups)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str], forced: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` the user has not set, and ``forced`` over whatever is set, for the
+    spawn only; restore afterwards.
+
+    Spawned processes copy the environment when they start, so the values only need to live
+    while the engine starts; removing them keeps a second engine (another TP size) from
+    inheriting the first one's core binding.
+    """
+    saved = {key: os.environ.get(key) for key in forced}
+    added = {key: value for key, value in values.items() if key not in os.environ}
+    os.environ.update(added)
+    os.environ.update(forced)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -7,18 +7,21 @@ lens's layers (``"attn 12"`` is the block whose write the lens row ``"12.attn"``
 
 from __future__ import annotations
 
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from envoykit.results.jsonable import Jsonable
+from envoykit.results.base import Result, freeze_json
+
+# How far the contributions' sum may fall from the logit, relative to the sum of their
+# magnitudes: float32 rounding of a sum of a few dozen terms, with room for bfloat16 engines.
+SUM_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True, eq=False)
-class AttributionResult(Jsonable):
+class AttributionResult(Result):
     """How much each component writes into each target's final logit, at each position.
 
     Shapes: ``C`` components, ``P`` positions, ``N`` targets.
@@ -88,7 +91,21 @@ class AttributionResult(Jsonable):
                 raise ValueError(f"AttributionResult.{name} has {len(value)} entries, not {size}")
             object.__setattr__(self, name, value)
         object.__setattr__(self, "components", tuple(self.components))
-        object.__setattr__(self, "meta", types.MappingProxyType(dict(self.meta)))
+        object.__setattr__(self, "meta", freeze_json(self.meta, "AttributionResult.meta"))
+        self._check_sum()
+
+    def _check_sum(self) -> None:
+        """The headline invariant: the contributions add up to the logit."""
+        gap = np.abs(self.values.astype(np.float64).sum(0) - self.logits)
+        allowed = SUM_TOLERANCE * (np.abs(self.values).astype(np.float64).sum(0) + 1.0)
+        if (gap > allowed).any():
+            p, n = (int(i) for i in np.argwhere(gap > allowed)[0])
+            total, logit = float(self.values[:, p, n].sum()), float(self.logits[p, n])
+            raise ValueError(
+                f"AttributionResult.values do not add up to the logits: at position index {p}, "
+                f"target {self.target_labels[n]!r} they sum to {total:.6g}, the logit is "
+                f"{logit:.6g}"
+            )
 
     # -- reading ---------------------------------------------------------------------------
 

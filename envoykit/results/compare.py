@@ -5,14 +5,13 @@ Plots read only this. Rows are layers, columns aligned positions (index ``i`` of
 
 from __future__ import annotations
 
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from envoykit.results.jsonable import Jsonable
+from envoykit.results.base import Result, freeze_json
 
 _ARRAYS = {
     "layers": np.int64,
@@ -30,7 +29,7 @@ _TEXTS = ("tokens_a", "tokens_b", "top_tokens_a", "top_tokens_b", "target_labels
 
 
 @dataclass(frozen=True, eq=False)
-class CompareResult(Jsonable):
+class CompareResult(Result):
     """Run ``a`` against run ``b``: ``L`` layers, ``P`` aligned positions, ``N`` targets.
 
     Attributes:
@@ -104,7 +103,7 @@ class CompareResult(Jsonable):
                 raise ValueError(f"CompareResult.{name} has {len(getattr(self, name))} entries")
         if np.any(self.js < -1e-9) or np.any(self.js > np.log(2) + 1e-6):
             raise ValueError("CompareResult.js must lie in [0, ln 2]")
-        object.__setattr__(self, "meta", types.MappingProxyType(dict(self.meta)))
+        object.__setattr__(self, "meta", freeze_json(self.meta, "CompareResult.meta"))
 
     @property
     def layer_labels(self) -> list[str]:

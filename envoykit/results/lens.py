@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from envoykit.errors import InvalidRequest
-from envoykit.results.jsonable import Jsonable
+from envoykit.results.base import Result, freeze_json, thaw
 
 # Where in a layer a lens row reads the model, in the order the model computes them.
 SITES = ("attn", "resid_mid", "mlp", "resid")
@@ -38,7 +37,7 @@ TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
-class TargetTrace:
+class TargetTrace(Result):
     """One target token across the lens: ``prob`` and ``rank`` are ``[layers, positions]``.
 
     ``rank`` 0 means the target is the most likely token at that cell. Both arrays are
@@ -55,13 +54,9 @@ class TargetTrace:
         object.__setattr__(self, "prob", _frozen(np.array(self.prob, dtype=np.float32)))
         object.__setattr__(self, "rank", _frozen(np.array(self.rank, dtype=np.int64)))
 
-    def __reduce__(self) -> tuple:
-        # Through __init__, so an unpickled trace is frozen too.
-        return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-
 
 @dataclass(frozen=True, eq=False)
-class LensResult(Jsonable):
+class LensResult(Result):
     """A logit lens of one prompt.
 
     Layer 0 is the embedding output, layer ``i`` the residual stream after decoder layer
@@ -156,7 +151,7 @@ class LensResult(Jsonable):
         if isinstance(self.n_generated, bool) or not isinstance(self.n_generated, Integral):
             raise ValueError(f"LensResult.n_generated must be an integer, not {self.n_generated!r}")
         object.__setattr__(self, "n_generated", int(self.n_generated))
-        object.__setattr__(self, "meta", _freeze_json(self.meta, "meta"))
+        object.__setattr__(self, "meta", freeze_json(self.meta, "LensResult.meta"))
 
     def _check_shapes(self) -> None:
         n_layers, n_pos = len(self.layers), len(self.positions)
@@ -353,7 +348,7 @@ class LensResult(Jsonable):
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = value.tolist() if isinstance(value, np.ndarray) else _thaw(value)
+            out[f.name] = value.tolist() if isinstance(value, np.ndarray) else thaw(value)
         return out
 
     @classmethod
@@ -362,11 +357,6 @@ class LensResult(Jsonable):
         for name, (_, dtype) in _ARRAY_FIELDS.items():
             kwargs[name] = np.asarray(kwargs[name], dtype=dtype)
         return cls(**kwargs)
-
-    def __reduce__(self) -> tuple:
-        # A read-only mapping cannot be pickled (nor deep-copied); rebuilding through
-        # __init__ also freezes the copy.
-        return (type(self), tuple(_thaw(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     def plot(self, metric: str = "prob", **kwargs: Any) -> Any:
         """The heatmap of this result (see `envoykit.plot.heatmap`)."""
@@ -523,31 +513,3 @@ def _indices(name: str, index: Any, size: int) -> list[int]:
 
 def _pick(value: np.ndarray | tuple, index: list[int]) -> np.ndarray | tuple:
     return value[index] if isinstance(value, np.ndarray) else tuple(value[i] for i in index)
-
-
-def _freeze_json(value: Any, where: str) -> Any:
-    """A read-only copy of a JSON value: mappings become read-only, lists tuples."""
-    if isinstance(value, Mapping):
-        bad = [key for key in value if not isinstance(key, str)]
-        if bad:
-            raise ValueError(f"LensResult.{where} keys must be strings, not {bad[0]!r}")
-        return types.MappingProxyType(
-            {key: _freeze_json(item, f"{where}[{key!r}]") for key, item in value.items()}
-        )
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze_json(item, f"{where}[{i}]") for i, item in enumerate(value))
-    if value is None or isinstance(value, (str, int, float)):
-        return value
-    raise ValueError(
-        f"LensResult.{where} must be a JSON value (str, int, float, bool, None, list, dict), "
-        f"not {type(value).__name__}: convert it before storing it"
-    )
-
-
-def _thaw(value: Any) -> Any:
-    """The ``dict``/``list`` form of what `_freeze_json` made; other values unchanged."""
-    if isinstance(value, types.MappingProxyType):
-        return {key: _thaw(item) for key, item in value.items()}
-    if isinstance(value, tuple):
-        return [_thaw(item) for item in value]
-    return value

@@ -5,20 +5,19 @@ Immutable and validated like `LensResult`; plots read only this.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from envoykit.results.jsonable import Jsonable
+from envoykit.results.base import Result, freeze_json
 
 METRICS = {"prob": "p({target})", "logit_diff": "logit({target}) - logit({other})"}
 
 
 @dataclass(frozen=True, eq=False)
-class SweepResult(Jsonable):
+class SweepResult(Result):
     """The target's next-token metric after copying the source's stream at each cell.
 
     Shapes: ``L`` layers, ``P`` positions (the same in both prompts, which tokenize to the
@@ -86,7 +85,7 @@ class SweepResult(Jsonable):
             object.__setattr__(self, name, array)
         object.__setattr__(self, "clean", float(self.clean))
         object.__setattr__(self, "source_value", float(self.source_value))
-        object.__setattr__(self, "meta", types.MappingProxyType(dict(self.meta)))
+        object.__setattr__(self, "meta", freeze_json(self.meta, "SweepResult.meta"))
 
     @property
     def layer_labels(self) -> list[str]:

@@ -7,9 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from envoykit.results.base import Result, frozen_array
+
 
 @dataclass(frozen=True)
-class LensQuality:
+class LensQuality(Result):
     """Per lens layer, the mean KL(final || layer) in nats of the logit and the tuned lens on
     held-out text (the tuned-lens paper's headline figure)."""
 
@@ -17,6 +19,17 @@ class LensQuality:
     logit_kl: np.ndarray
     tuned_kl: np.ndarray
     tokens: int
+
+    def __post_init__(self) -> None:
+        n = len(np.asarray(self.layers))
+        for name, dtype in (
+            ("layers", np.int64),
+            ("logit_kl", np.float64),
+            ("tuned_kl", np.float64),
+        ):
+            value = frozen_array("LensQuality", name, getattr(self, name), dtype, (n,))
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "tokens", int(self.tokens))
 
     def to_pandas(self) -> Any:
         import pandas as pd

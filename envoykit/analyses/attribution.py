@@ -86,12 +86,12 @@ def attribution_statistics(
     """Reduce the attribution on this rank: ``parts`` (``[T, d_model]`` each) sum to the
     final stream ``final = (hidden, residual)``.
 
-    Returns CPU float32 tensors: ``values`` ``[parts, positions, targets]``, ``logits`` (the
-    model's pre-soft-cap logit, from its own final norm) and ``model_logits`` (what the head
-    returns, soft-cap included), both ``[positions, targets]``.
+    Returns float32 tensors on the streams' device: ``values`` ``[parts, positions,
+    targets]``, ``logits`` (the model's pre-soft-cap logit, from its own final norm) and
+    ``model_logits`` (what the head returns, soft-cap included), both ``[positions, targets]``.
     """
     hidden, residual = final
-    ids = torch.tensor(list(targets), dtype=torch.long)
+    ids = torch.tensor(list(targets), dtype=torch.long, device=hidden.device)
     normed = norm(hidden.clone(), residual.clone())[0]
     model_logits = head(normed)[:, ids].float()
     rows = head.rows(ids).float()
@@ -106,16 +106,13 @@ def attribution_statistics(
     values = (stacked * (frozen * gain)) @ rows.T * logit_scale
     logits = normed.float() @ rows.T * logit_scale
     if positions is not None:
+        picked = positions.to(values.device)
         values, logits, model_logits = (
-            values[:, positions],
-            logits[positions],
-            model_logits[positions],
+            values[:, picked],
+            logits[picked],
+            model_logits[picked],
         )
-    return {
-        "values": values.cpu(),
-        "logits": logits.cpu(),
-        "model_logits": model_logits.cpu(),
-    }
+    return {"values": values, "logits": logits, "model_logits": model_logits}
 
 
 def run(
@@ -147,11 +144,10 @@ def run(
             hidden, residual = layer.output[:2]
             hidden, residual = hidden.clone(), residual.clone()
             parts.append(hidden)
-        stats = nnsight.save(
-            attribution_statistics(
-                norm, head, parts, (hidden, residual), positions, target_ids, logit_scale
-            )
+        stats = attribution_statistics(
+            norm, head, parts, (hidden, residual), positions, target_ids, logit_scale
         )
+        stats = nnsight.save({key: value.cpu() for key, value in stats.items()})
     tokenizer = model.tokenizer
     ids = list(request.prompt_ids)
     picked = list(range(len(ids))) if request.positions is None else list(request.positions)

@@ -59,16 +59,18 @@ def lens_statistics(
     final layer: KL is measured against its distribution. Each rank reduces only its own
     slice of the vocabulary (``shard``, see `vocab_parallel`) and the ranks combine small
     per-cell summaries, so every rank returns the same statistics of the whole vocabulary.
-    Returns CPU tensors: ``top_ids``/``top_probs`` ``[layers, positions, k]``,
+    Returns tensors on the streams' device (the trace moves them to the host as it saves
+    them): ``top_ids``/``top_probs`` ``[layers, positions, k]``,
     ``entropy``/``kl`` ``[layers, positions]``, ``target_probs``/``target_ranks``
     ``[layers, positions, targets]`` (rank 0 = the most likely token).
     """
     rows = [final_norm(norm, hidden, residual) for hidden, residual in streams]
+    device = rows[0].device
     if positions is not None:
-        rows = [row[positions] for row in rows]
+        rows = [row[positions.to(device)] for row in rows]
     # Each exchange is a collective: every rank must make the same calls, so chunks are sized
     # by the largest slice (slices differ by the vocabulary's padding), not by this rank's.
-    largest = int(shard.gather(torch.tensor([float(shard.size)])).max())
+    largest = shard.largest
     n_pos = rows[0].shape[0]
     span = positions_per_call(largest, budget)
     blocks = [
@@ -118,12 +120,12 @@ def _reduce_positions(
         # 32-bit throughout: what crosses to the client is 4 bytes per number.
         pieces.append(
             {
-                "top_ids": top_ids.int().cpu(),
-                "top_probs": top_logp.exp().float().cpu(),
-                "entropy": entropy.float().cpu(),
-                "kl": kl.float().cpu(),
-                "target_probs": target_logp.exp().float().cpu(),
-                "target_ranks": ranks.int().cpu(),
+                "top_ids": top_ids.int(),
+                "top_probs": top_logp.exp().float(),
+                "entropy": entropy.float(),
+                "kl": kl.float(),
+                "target_probs": target_logp.exp().float(),
+                "target_ranks": ranks.int(),
             }
         )
         # This chunk's logits go before the next chunk's exist: held across the next head
@@ -203,18 +205,17 @@ def run(
                     streams = walk_layers(layer_list, prenorm, reads, to_write if step == 0 else {})
                     if translator is not None:
                         streams = translated(streams, rows, translator, readout.n_layers)
-                    steps.append(
-                        lens_statistics(
-                            norm,
-                            shard,
-                            streams,
-                            positions if step == 0 else None,
-                            top_k,
-                            target_ids,
-                            reduce_dtype,
-                            budget,
-                        )
+                    stats = lens_statistics(
+                        norm,
+                        shard,
+                        streams,
+                        positions if step == 0 else None,
+                        top_k,
+                        target_ids,
+                        reduce_dtype,
+                        budget,
                     )
+                    steps.append({key: value.cpu() for key, value in stats.items()})
                     samples.append(model.samples.cpu())
     if len(request.prompts) == 1:
         steps, samples = [steps], [samples]

@@ -355,7 +355,7 @@ def gather_head(engine: Any) -> Head:
     import nnsight
 
     model, readout, vocab = engine.model, engine.readout, engine.info.vocab
-    ones = torch.ones(1, engine.info.d_model)
+    d_model = engine.info.d_model
     rows = []
     with engine.exclusive():
         for start in range(0, vocab, _HEAD_CHUNK):
@@ -366,6 +366,7 @@ def gather_head(engine: Any) -> Head:
         with model.trace("The", temperature=0.0, max_tokens=1):
             norm = at(model, readout.final_norm)
             eps = nnsight.save(float(norm.variance_epsilon))
+            ones = torch.ones(1, d_model, device=norm.weight.device, dtype=norm.weight.dtype)
             gain = nnsight.save(
                 (norm(ones)[0].float() * math.sqrt(1.0 + norm.variance_epsilon)).cpu()
             )

@@ -172,7 +172,7 @@ class UnembedEnvoy(ParallelEnvoy):
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         module = unembedding_module(self.root._module)
-        return VocabParallelEmbedding.forward(module, token_ids)
+        return VocabParallelEmbedding.forward(module, token_ids.to(module.weight.device))
 
     def vocab_shard(self) -> VocabShard:
         """This rank's slice of the unembedding, for reductions that need no whole logits.
@@ -202,7 +202,9 @@ class UnembedEnvoy(ParallelEnvoy):
             words = value.view(torch.float32) if value.dtype == torch.float64 else value
             return group.all_gather(words, dim=0).view(value.dtype)
 
-        return VocabShard(logits, indices.org_vocab_start_index, size, gather)
+        # Rank 0's slice: the padding is at the end of the vocabulary.
+        largest = min(indices.num_org_elements_padded, module.org_vocab_size)
+        return VocabShard(logits, indices.org_vocab_start_index, size, gather, largest)
 
 
 class ShardedEnvoy(Envoy):

@@ -17,9 +17,12 @@ class VocabShard:
     model's own soft-cap and scale applied, no padding); ``start`` is the token id of its
     first column; ``gather`` returns ``[ranks, *t.shape]``, every rank's ``t`` in rank order,
     the same on every rank (a collective: every rank must call it, in the same order).
+    ``largest`` is the size of the largest slice any rank holds (slices differ by the
+    vocabulary's padding): work is chunked by it, so every rank makes the same exchanges.
     """
 
     logits: Callable[[torch.Tensor], torch.Tensor]
     start: int
     size: int
     gather: Callable[[torch.Tensor], torch.Tensor]
+    largest: int

@@ -23,7 +23,9 @@ from envoykit.model.vocab_shard import VocabShard
 
 def whole(head: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> VocabShard:
     """One rank holding the whole vocabulary of ``head``."""
-    return VocabShard(logits=head, start=0, size=vocab, gather=lambda t: t.unsqueeze(0))
+    return VocabShard(
+        logits=head, start=0, size=vocab, gather=lambda t: t.unsqueeze(0), largest=vocab
+    )
 
 
 def summaries(
@@ -49,7 +51,7 @@ def summaries(
         short = (*values.shape[:-1], top_k - values.shape[-1])
         values = torch.cat([values, values.new_full(short, -torch.inf)], dim=-1)
         ids = torch.cat([ids, ids.new_zeros(short)], dim=-1)
-    held = torch.zeros(*logits.shape[:-1], len(targets), dtype=logits.dtype)
+    held = logits.new_zeros(*logits.shape[:-1], len(targets))
     for i, token in enumerate(targets):
         if shard.start <= token < shard.start + shard.size:
             held[..., i] = logits[..., token - shard.start]

@@ -12,6 +12,7 @@ summaries through a barrier as the ranks' all-gather would.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import threading
 
@@ -112,8 +113,9 @@ def on_ranks(n_ranks: int, head=None, **kwargs) -> list[dict[str, torch.Tensor]]
             barrier.wait()  # all have read before anyone writes the next exchange
             return every
 
+        largest = max(b - a for a, b in itertools.pairwise(bounds))
         return vocab_parallel.VocabShard(
-            lambda x: head(x)[..., start:end], start, end - start, gather
+            lambda x: head(x)[..., start:end], start, end - start, gather, largest
         )
 
     results: list = [None] * n_ranks

@@ -1,0 +1,112 @@
+"""The rank-side functions on a GPU, in pure torch (no vLLM): the same numbers as on the CPU.
+
+    python bench/gpu_smoke.py            # cuda if there is one, else says so and exits 2
+    python bench/gpu_smoke.py --device cpu   # the same run on the CPU (a dry run of the script)
+
+Runs the lens statistics (one rank and a vocabulary split across two simulated ranks, whose
+exchange refuses a tensor that is not on the device, as NCCL does), direct logit attribution
+and a tuned-lens translator with a toy fused add-norm and head on the device, and prints the
+largest difference from the same computation on the CPU. It exits non-zero on a difference
+above 1e-4 or on any error, so it can be run as a check on a machine with a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from envoykit.analyses import attribution, lens
+from envoykit.model.vocab_shard import VocabShard
+from envoykit.ranks import translators
+
+D, VOCAB, T, LAYERS = 64, 1000, 12, 6
+TOLERANCE = 1e-4
+
+
+class FusedNorm(torch.nn.Module):
+    variance_epsilon = 1e-6
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (normed * self.weight, x) if residual is not None else normed * self.weight
+
+
+class Head(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+    def rows(self, ids):
+        return torch.nn.functional.embedding(ids.to(self.weight.device), self.weight)
+
+
+def checked_gather(device: torch.device):
+    """One rank's exchange, refusing a tensor that is not on the device (as NCCL does)."""
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        if t.device != device:
+            raise RuntimeError(f"a tensor on {t.device} was sent to the {device} exchange")
+        return t.unsqueeze(0)
+
+    return gather
+
+
+def run(device: torch.device) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    norm = FusedNorm((torch.rand(D, generator=g) + 0.5).to(device))
+    head = Head((torch.randn(VOCAB, D, generator=g) * 0.5).to(device))
+    streams = [(torch.randn(T, D, generator=g).to(device), None)] + [
+        (torch.randn(T, D, generator=g).to(device), torch.randn(T, D, generator=g).to(device))
+        for _ in range(LAYERS)
+    ]
+    shard = VocabShard(head, 0, VOCAB, checked_gather(device), VOCAB)
+    out = {}
+    with torch.inference_mode():
+        stats = lens.lens_statistics(
+            norm, shard, streams, torch.tensor([0, 5, 11]), 10, [3, 500, 999], budget=2**16
+        )
+        out.update({f"lens.{k}": v.cpu() for k, v in stats.items()})
+        parts = [s[0] for s in streams]
+        final = (sum(parts[1:]), parts[0])
+        att = attribution.attribution_statistics(
+            norm, head, parts, final, torch.tensor([2, 7]), [3, 500], 1.0
+        )
+        out.update({f"attribution.{k}": v.cpu() for k, v in att.items()})
+        key = "gpu-smoke"
+        translators.INSTALLED[key] = {1: (torch.randn(D, D, generator=g) * 0.01, torch.zeros(D))}
+        out["translate"] = translators.translate(key, 1, streams[1][0]).cpu()
+        del translators.INSTALLED[key]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device here: nothing run")
+        return 2
+    reference, got = run(torch.device("cpu")), run(device)
+    worst = 0.0
+    for name, want in reference.items():
+        diff = (got[name].double() - want.double()).abs().max().item()
+        worst = max(worst, diff)
+        print(f"{name:28s} {tuple(want.shape)!s:16s} max |{device.type} - cpu| = {diff:.3g}")
+    print(f"{'PASS' if worst <= TOLERANCE else 'FAIL'}: largest difference {worst:.3g}")
+    return 0 if worst <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Rank code makes every tensor on the device of the values it meets: checked without a GPU.
+
+On the ``meta`` device a tensor has a shape and no data, and combining it with a CPU tensor
+raises (a CPU tensor written from a meta one, or concatenated with one), as it would on
+CUDA; so does asking a meta tensor for a number. The functions that run on the ranks —
+the lens statistics, the vocabulary-parallel exchange, direct logit attribution, the
+tuned-lens translators and the unembedding's row lookup — are handed a norm, a head and
+streams on that device; the exchange itself checks that what it is asked to send is there
+too (gloo and NCCL send only tensors on their own device).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from envoykit.analyses import attribution, lens
+from envoykit.model.vocab_shard import VocabShard
+from envoykit.ranks import translators, vocab_parallel
+
+D, VOCAB, T = 8, 20, 3
+DEVICE = torch.device("meta")
+
+
+class FusedNorm(torch.nn.Module):
+    """A fused add-norm in miniature, as vLLM's RMSNorm: ``norm(x[, residual])``."""
+
+    variance_epsilon = 1e-6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(D, device=DEVICE))
+
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (normed * self.weight, x) if residual is not None else normed * self.weight
+
+
+class Head(torch.nn.Module):
+    """The unembedding: logits from hidden states, whole rows by id (as `UnembedEnvoy`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(VOCAB, D, device=DEVICE))
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+    def rows(self, ids):
+        return torch.nn.functional.embedding(ids.to(self.weight.device), self.weight)
+
+
+def exchange(t: torch.Tensor, ranks: int = 2) -> torch.Tensor:
+    """Two ranks' all-gather: refuses what is not on the device, as a process group does."""
+    assert t.device == DEVICE, f"sent a tensor on {t.device} to a {DEVICE} process group"
+    return torch.stack([t] * ranks)
+
+
+def shards(head: Head) -> list[VocabShard]:
+    half = VOCAB // 2
+    return [
+        VocabShard(head, start=0, size=VOCAB, gather=lambda t: exchange(t, 1), largest=VOCAB),
+        VocabShard(
+            lambda x: head(x)[:, :half], start=half, size=half, gather=exchange, largest=half
+        ),
+    ]
+
+
+def streams() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    return [(torch.ones(T, D, device=DEVICE), None)] + [
+        (torch.ones(T, D, device=DEVICE), torch.ones(T, D, device=DEVICE)) for _ in range(3)
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    """As on the ranks, which run the model under inference mode."""
+    with torch.inference_mode():
+        yield
+
+
+class TestOnAnotherDevice:
+    def test_the_check_catches_a_cpu_tensor(self):
+        on_device = torch.ones(T, D, device=DEVICE)
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            torch.zeros(T, D)[..., 0] = on_device[..., 0]
+        with pytest.raises(RuntimeError):
+            torch.cat([on_device, torch.zeros(T, D)])
+
+    @pytest.mark.parametrize("which", ["whole", "split"])
+    def test_lens_statistics(self, which):
+        head = Head()
+        shard = shards(head)[0 if which == "whole" else 1]
+        out = lens.lens_statistics(
+            FusedNorm(), shard, streams(), torch.tensor([0, 2]), top_k=3, targets=[1, 15]
+        )
+        assert out["top_ids"].shape == (4, 2, 3)
+        assert all(value.device == DEVICE for value in out.values())
+
+    def test_exchange_of_targets_held_by_another_rank(self):
+        head = Head()
+        shard = shards(head)[1]
+        logits = shard.logits(torch.ones(T, D, device=DEVICE))
+        vocab_parallel.summaries(shard, logits, 3, [1, 15])
+
+    def test_attribution_statistics(self):
+        parts = [torch.ones(T, D, device=DEVICE) for _ in range(3)]
+        final = (torch.ones(T, D, device=DEVICE), torch.ones(T, D, device=DEVICE))
+        out = attribution.attribution_statistics(
+            FusedNorm(), Head(), parts, final, torch.tensor([1]), [2, 5], 1.0
+        )
+        assert out["values"].shape == (3, 1, 2)
+
+    def test_translators(self):
+        key = "device-test"
+        translators.INSTALLED[key] = {1: (torch.zeros(D, D), torch.zeros(D))}  # as unpacked
+        try:
+            out = translators.translate(key, 1, torch.ones(T, D, device=DEVICE))
+        finally:
+            del translators.INSTALLED[key]
+        assert out.device == DEVICE

@@ -29,7 +29,13 @@ from envoykit.runtime.cleanup import engine_semaphores as _engine_semaphores
 from envoykit.runtime.cleanup import mapped_segments as _mapped_segments
 from envoykit.runtime.cleanup import shutdown as _shutdown
 from envoykit.runtime.cleanup import stop as _stop
-from envoykit.runtime.info import DTYPES, ModelInfo, choose_tp, refuse_unknown_arguments
+from envoykit.runtime.info import (
+    DTYPES,
+    ModelInfo,
+    ModelShape,
+    choose_tp,
+    refuse_unknown_arguments,
+)
 from envoykit.runtime.janitor import Janitor
 
 if TYPE_CHECKING:
@@ -75,10 +81,11 @@ class Engine(EngineSurface):
             raise InvalidRequest(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
         self._platform = platform.platform_name()
         self._source = models.resolve(model)
-        self._config = models.read_config(self._source)
-        self._tp = choose_tp(self._config, tensor_parallel_size, self._platform)
+        config = models.read_config(self._source)
+        self._shape = ModelShape.from_config(config)
+        self._tp = choose_tp(config, tensor_parallel_size, self._platform)
         self._dtype = "float32" if dtype == "auto" and self._platform == "cpu" else dtype
-        limit = self._config.get("max_position_embeddings") or _DEFAULT_MAX_MODEL_LEN
+        limit = self._shape.max_positions or _DEFAULT_MAX_MODEL_LEN
         self._max_model_len = max_model_len or min(limit, _DEFAULT_MAX_MODEL_LEN)
         if self._max_model_len > limit:
             raise InvalidRequest(
@@ -224,16 +231,15 @@ class Engine(EngineSurface):
 
     @property
     def info(self) -> ModelInfo:
-        config = self._config
-        heads = config["num_attention_heads"]
+        shape = self._shape
         return ModelInfo(
             name=self._source.name,
             path=self._source.path,
-            n_layers=config["num_hidden_layers"],
-            d_model=config["hidden_size"],
-            vocab=config["vocab_size"],
-            n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads") or heads,
+            n_layers=shape.n_layers,
+            d_model=shape.d_model,
+            vocab=shape.vocab,
+            n_heads=shape.n_heads,
+            n_kv_heads=shape.n_kv_heads,
             tp=self._tp,
             platform=self._platform,
             dtype=self._dtype,

@@ -52,3 +52,16 @@ def test_exception_in_trace_code_reaches_the_caller(tiny2, before):
             tiny2.model.model.layers[1].output[0].save()
             raise ValueError("deliberate failure on every rank")
     assert_same_lens(tiny2.lens(PROMPT, top_k=3), before)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"generate": 2}, {"reduce_dtype": "float64"}, {"translator": object()}],
+    ids=["generate", "reduce_dtype", "translator"],
+)
+def test_compare_refuses_what_it_would_drop(tiny2, option):
+    """``compare=True`` compares plain lenses: an option it cannot honour is refused, not
+    silently dropped (it once returned the plain comparison)."""
+    name = next(iter(option))
+    with pytest.raises(ek.InvalidRequest, match=f"compare=True does not take {name}="):
+        tiny2.lens([PROMPT, "The capital of Italy is"], compare=True, **option)

@@ -93,8 +93,13 @@ class TestEngine:
         from envoykit.runtime.info import choose_tp
 
         monkeypatch.setattr("envoykit.runtime.platform.usable_cpus", lambda: list(range(cores)))
-        tiny = {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256}
-        demo = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+        base = {"num_hidden_layers": 4, "hidden_size": 128, "vocab_size": 500}
+        tiny = base | {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256}
+        demo = base | {
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "intermediate_size": 1536,
+        }
         assert choose_tp(tiny, None, "cpu") == tiny_tp
         assert choose_tp(demo, None, "cpu") == demo_tp
         if cores == 2:

@@ -95,6 +95,12 @@ class EngineSurface:
         from envoykit.analyses import lens, patching, request
 
         if compare:
+            ignored = {
+                "translator": translator is not None,
+                "generate": generate != 0,
+                "reduce_dtype": reduce_dtype != "float32",
+            }
+            refuse_with_compare([name for name, given in ignored.items() if given])
             return self._compare_prompts(prompt, layers, positions, targets, sites, patch)
         info = self.info
         req = request.build_request(
@@ -237,3 +243,14 @@ class EngineSurface:
         from envoykit.model.envoys import whole_locations
 
         return whole_locations(self.model._module)
+
+
+def refuse_with_compare(names: Sequence[str]) -> None:
+    """``compare=True`` compares the plain logit lens of two prompts in float64 on the ranks:
+    an option it would drop is refused, not ignored."""
+    if names:
+        raise InvalidRequest(
+            f"compare=True does not take {', '.join(f'{n}=' for n in names)}: it compares the "
+            "logit lens of two prompts' own tokens (in float64 on the ranks); run engine.lens "
+            "on each prompt with those options instead"
+        )

@@ -30,22 +30,104 @@ class ModelInfo:
     max_model_len: int
 
 
+# Config keys by meaning, in the spellings of the configs transformers ships (GPT-2 and
+# GPT-J say n_head and n_embd, Falcon num_kv_heads, MoE models give expert widths).
+_KEYS = {
+    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "d_model": ("hidden_size", "n_embd", "d_model"),
+    "vocab": ("vocab_size",),
+    "n_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "n_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    "max_positions": ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
+}
+_WORDS = {
+    "n_layers": "number of layers",
+    "d_model": "hidden size",
+    "vocab": "vocabulary size",
+    "n_heads": "number of attention heads",
+}
+# Widths a tensor-parallel split cuts: each must divide by the TP size.
+_WIDTHS = (
+    "intermediate_size",
+    "n_inner",
+    "ffn_hidden_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a checkpoint's config that envoykit needs, under one set of names."""
+
+    n_layers: int
+    d_model: int
+    vocab: int
+    n_heads: int
+    n_kv_heads: int
+    widths: tuple[int, ...]
+    max_positions: int | None
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape:
+        """Read ``config`` (a config.json as a dict); a multimodal model's text config.
+
+        Refuses a config that lacks a number envoykit needs, naming the keys it looked for.
+        """
+        text = config.get("text_config") or config
+        if config.get("multi_query") and not _first(text, _KEYS["n_kv_heads"]):
+            text = {**text, "num_kv_heads": 1}  # Falcon's multi-query attention: one KV head
+
+        def need(meaning: str) -> int:
+            value = _first(text, _KEYS[meaning])
+            if value is None:
+                keys = " or ".join(repr(k) for k in _KEYS[meaning])
+                raise InvalidRequest(
+                    f"this checkpoint's config has no {_WORDS[meaning]} ({keys}): "
+                    "envoykit cannot tell the model's shape"
+                )
+            return int(value)
+
+        heads = need("n_heads")
+        kv = _first(text, _KEYS["n_kv_heads"]) or heads
+        widths = tuple(int(text[k]) for k in _WIDTHS if isinstance(text.get(k), int))
+        return cls(
+            n_layers=need("n_layers"),
+            d_model=need("d_model"),
+            vocab=need("vocab"),
+            n_heads=heads,
+            n_kv_heads=int(kv),
+            widths=widths,
+            max_positions=_first(text, _KEYS["max_positions"]),
+        )
+
+    def valid_tp_sizes(self) -> list[int]:
+        """TP sizes vLLM can split this model into: heads and MLP widths must divide, and KV
+        heads divide or are replicated (TP a multiple of them)."""
+        heads, kv = self.n_heads, self.n_kv_heads
+        return [
+            tp
+            for tp in range(1, heads + 1)
+            if heads % tp == 0
+            and (kv % tp == 0 or tp % kv == 0)
+            and all(width % tp == 0 for width in self.widths)
+        ]
+
+
+def _first(config: dict, keys: tuple[str, ...]) -> Any:
+    return next((config[k] for k in keys if config.get(k) is not None), None)
+
+
 def valid_tp_sizes(config: dict) -> list[int]:
-    """TP sizes vLLM can split this model into: heads, KV heads and MLP width must divide."""
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    width = config.get("intermediate_size")
-    return [
-        tp
-        for tp in range(1, heads + 1)
-        if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0) and (not width or width % tp == 0)
-    ]
+    """TP sizes vLLM can split the model of ``config`` into (see `ModelShape`)."""
+    return ModelShape.from_config(config).valid_tp_sizes()
 
 
 def choose_tp(config: dict, requested: int | None, platform_name: str) -> int:
     """The requested TP size, checked; or the largest the model allows that gives every rank
     a device of its own (a GPU, or a CPU core: see `platform.default_ranks`)."""
-    valid = valid_tp_sizes(config)
+    shape = ModelShape.from_config(config)
+    valid = shape.valid_tp_sizes()
     limit = platform.max_ranks(platform_name)
     if requested is None:
         fitting = [tp for tp in valid if tp <= platform.default_ranks(platform_name)]
@@ -55,9 +137,8 @@ def choose_tp(config: dict, requested: int | None, platform_name: str) -> int:
     if requested not in valid:
         raise InvalidRequest(
             f"tensor_parallel_size={requested} does not split this model: its "
-            f"{config['num_attention_heads']} attention heads, "
-            f"{config.get('num_key_value_heads') or config['num_attention_heads']} KV heads and "
-            f"MLP width must divide evenly. Valid sizes: {valid}"
+            f"{shape.n_heads} attention heads, {shape.n_kv_heads} KV heads and "
+            f"MLP widths {list(shape.widths)} must divide evenly. Valid sizes: {valid}"
         )
     if requested > limit:
         unit = "GPUs" if platform_name == "cuda" else f"ranks ({len(platform.usable_cpus())} cores)"

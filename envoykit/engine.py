@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from envoykit.analyses.surface import EngineSurface
+from envoykit.analyses.tuned import InstalledTranslators
 from envoykit.errors import EngineDead, InvalidRequest
 from envoykit.runtime import forkserver, logs, models, platform
 from envoykit.runtime.cleanup import SHM as _SHM
@@ -96,8 +97,8 @@ class Engine(EngineSurface):
         self._engine_kwargs = engine_kwargs
         self._lock = threading.RLock()
         self._llm: Any = None
-        # Keys of the tuned-lens translators this engine's ranks hold (a restart forgets them).
-        self._translators: set[str] = set()
+        # The tuned-lens translators this engine's ranks hold (a restart forgets them).
+        self._translators = InstalledTranslators()
         self._processes: list[Any] = []
         self._finalizer: weakref.finalize | None = None
         self.log_file = None
@@ -112,7 +113,7 @@ class Engine(EngineSurface):
         started = time.perf_counter()
         already_running = _descendants()
         steps = tqdm(total=3, desc=f"{self._source.name}: preparing", disable=not self._progress)
-        self._translators = set()
+        self._translators.clear()
         self.log_file, log_env = logs.configure(models.cache_dir() / "logs", self._log_level)
         env = {**platform.rank_environment(self._platform, self._tp), **log_env}
         fork_core = self._platform == "cpu" and forkserver.enabled()
@@ -247,19 +248,21 @@ class Engine(EngineSurface):
         )
 
     def _install_translator(self, translator: TunedLens) -> str:
-        """Check ``translator`` belongs to this model and send it to every rank, once."""
+        """Check ``translator`` belongs to this model and send it to every rank, once while
+        the ranks keep it (`InstalledTranslators`)."""
         from envoykit.analyses.tuned import TunedLens
 
         if not isinstance(translator, TunedLens):
             raise InvalidRequest(
                 f"translator takes an ek.TunedLens, not {type(translator).__name__}"
             )
-        if translator.key not in self._translators:
+        keep = self._translators.keep_for(translator.key)
+        if keep is not None:
             translator.check(self)
             self.model.vllm_entrypoint.collective_rpc(
-                "envoykit_install_translators", args=(translator.key, translator.to_bytes())
+                "envoykit_install_translators", args=(translator.key, translator.to_bytes(), keep)
             )
-            self._translators.add(translator.key)
+            self._translators.installed(translator.key, keep)
         return translator.key
 
     def generate(self, prompt: str, max_tokens: int = 16) -> str:

@@ -100,3 +100,24 @@ def test_bad_training_request_is_refused(tiny2, texts, kwargs, message):
 def test_translator_only_for_the_residual_stream(tiny2, tuned):
     with pytest.raises(ek.InvalidRequest, match="residual stream"):
         tiny2.lens(PROMPT, sites=["attn"], translator=tuned)
+
+
+def test_ranks_keep_at_most_two_tuned_lenses(tiny2, tuned):
+    """Retrained lenses do not pile up on the ranks: a third drops the least recently used,
+    which is installed again when it is used next, with the same lens as before."""
+    import nnsight
+
+    from envoykit.ranks import translators
+
+    others = [
+        ek.TunedLens({k: (a * scale, b) for k, (a, b) in tuned.weights.items()}, tuned.model)
+        for scale in (0.5, 0.25)
+    ]
+    first = tiny2.lens(PROMPT, translator=tuned)
+    for other in others:
+        tiny2.lens(PROMPT, translator=other)
+    with tiny2.trace(PROMPT):
+        held = nnsight.save(sorted(translators.INSTALLED))
+    assert held == sorted(o.key for o in others)
+    again = tiny2.lens(PROMPT, translator=tuned)
+    np.testing.assert_array_equal(again.kl, first.kl)

@@ -377,14 +377,21 @@ def gather_head(engine: Any) -> Head:
 def fingerprint(engine: Any) -> dict:
     """What identifies a model here: its name and shape, and a hash of `_FINGERPRINT_ROWS`
     rows of its unembedding rounded to bfloat16."""
+    with engine.exclusive():
+        _, rows = fingerprint_trace(engine.model, engine.readout, engine.info.vocab)
+    return fingerprint_of(engine.info, rows)
+
+
+def fingerprint_trace(model: Any, readout: Any, vocab: int) -> tuple[Any, Any]:
+    """The one trace a fingerprint reads: the tracer, and its saved unembedding rows (filled
+    when the trace ran; an engine in async mode reads them from ``tracer.backend``'s
+    finished output as ``saves["rows"]`` instead)."""
     import nnsight
 
-    info = engine.info
-    ids = fingerprint_ids(info.vocab)
-    model, readout = engine.model, engine.readout
-    with engine.exclusive(), model.trace("The", temperature=0.0, max_tokens=1):
+    ids = fingerprint_ids(vocab)
+    with model.trace("The", temperature=0.0, max_tokens=1) as tracer:
         rows = nnsight.save(at(model, readout.unembedding).rows(ids).float().cpu())
-    return fingerprint_of(info, rows)
+    return tracer, rows
 
 
 def fingerprint_ids(vocab: int) -> torch.Tensor:
@@ -433,3 +440,37 @@ def default_path(model: dict) -> Path:
     from envoykit.runtime.models import cache_dir
 
     return cache_dir() / "tuned" / f"{model['name']}-{str(model['head_hash'])[:12]}.safetensors"
+
+
+class InstalledTranslators:
+    """Which tuned lenses an engine's ranks hold, least recently used first.
+
+    Each tuned lens is ``n_layers * d_model**2`` floats on every rank (40 MB on demo, about
+    2 GB on a 7B model), so the ranks keep at most `LIMIT`: installing another drops the
+    least recently used, and using an evicted one installs it again.
+    """
+
+    LIMIT = 2
+
+    def __init__(self) -> None:
+        self._keys: list[str] = []
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def keep_for(self, key: str) -> tuple[str, ...] | None:
+        """None if ``key`` is installed (marked as just used); else the keys the ranks keep
+        beside it, to send with its install."""
+        if key in self._keys:
+            self._keys.remove(key)
+            self._keys.append(key)
+            return None
+        return tuple(self._keys[-(self.LIMIT - 1) :]) if self.LIMIT > 1 else ()
+
+    def installed(self, key: str, kept: tuple[str, ...]) -> None:
+        """Record that the ranks now hold ``kept`` and ``key``, and nothing else."""
+        self._keys = [*kept, key]
+
+    def clear(self) -> None:
+        """The ranks hold none (a fresh start)."""
+        self._keys = []

@@ -2,7 +2,8 @@
 
 A tuned lens's translators (one ``d_model x d_model`` matrix and bias per layer: 40 MB for
 the demo model) would be most of every trace's payload if they travelled with the trace
-code. Instead each rank keeps them in this module's `INSTALLED`, keyed by a content hash:
+code. Instead each rank keeps them in this module's `INSTALLED`, keyed by a content hash
+(a few at most: the engine names those to keep with each install):
 the owning engine sends them once through vLLM's ``collective_rpc`` (the worker method
 `TranslatorStore.envoykit_install_translators`), and trace code names only the key.
 """
@@ -53,7 +54,13 @@ def translated(
 class TranslatorStore:
     """Worker mixin: the RPC that installs translators in this rank's `INSTALLED`."""
 
-    def envoykit_install_translators(self, key: str, blob: bytes) -> int:
+    def envoykit_install_translators(
+        self, key: str, blob: bytes, keep: tuple[str, ...] = ()
+    ) -> int:
+        """Install ``key`` and drop every other translator but ``keep``: the owning engine
+        decides what its ranks hold (`envoykit.analyses.tuned.InstalledTranslators`)."""
+        for other in [k for k in INSTALLED if k != key and k not in keep]:
+            del INSTALLED[other]
         if key not in INSTALLED:
             INSTALLED[key] = unpack(blob)
         return len(INSTALLED[key])

@@ -76,33 +76,26 @@ class ServedEngine(Engine):
         worker RPC, once per key; its key. An engine in async mode answers a trace and an
         RPC by awaiting them, which the in-process path cannot."""
         async with self._installing:
-            if translator.key not in self._translators:
+            keep = self._translators.keep_for(translator.key)
+            if keep is not None:
                 translator.check_fingerprint(await self.fingerprint())
                 await self.model.vllm_entrypoint.collective_rpc(
-                    "envoykit_install_translators", args=(translator.key, translator.to_bytes())
+                    "envoykit_install_translators",
+                    args=(translator.key, translator.to_bytes(), keep),
                 )
-                self._translators.add(translator.key)
+                self._translators.installed(translator.key, keep)
         return translator.key
 
     async def fingerprint(self) -> dict:
         """`envoykit.analyses.tuned.fingerprint` of the served model, from one trace on the async
         engine (built before its first await, as the server builds every trace); kept, as
         the model is the same after a restart."""
-        import nnsight
-
-        from envoykit.analyses.tuned import fingerprint_ids, fingerprint_of
-        from envoykit.model.readout import at
+        from envoykit.analyses.tuned import fingerprint_of, fingerprint_trace
 
         if self._fingerprint is None:
-            info = self.info
-            ids = fingerprint_ids(info.vocab)
-            model, readout = self.model, self.readout
-            with model.trace("The", temperature=0.0, max_tokens=1) as tracer:
-                # Bound on the finished output only: an async trace's saves are not pushed
-                # back into this frame.
-                rows = nnsight.save(at(model, readout.unembedding).rows(ids).float().cpu())  # noqa: F841
+            tracer, _ = fingerprint_trace(self.model, self.readout, self.info.vocab)
             finished = await tracer.backend
-            self._fingerprint = fingerprint_of(info, finished.saves["rows"])
+            self._fingerprint = fingerprint_of(self.info, finished.saves["rows"])
         return self._fingerprint
 
     def close(self) -> None:

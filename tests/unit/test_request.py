@@ -133,3 +133,17 @@ def test_top_k_up_to_the_vocabulary():
 def test_reductions_in_float32_unless_asked():
     assert request().reduce_dtype == "float32"
     assert request(reduce_dtype="float64").reduce_dtype == "float64"
+
+
+def test_installed_translators_keep_the_most_recent():
+    from envoykit.analyses.tuned import InstalledTranslators
+
+    held = InstalledTranslators()
+    assert held.keep_for("a") == ()
+    held.installed("a", ())
+    assert held.keep_for("b") == ("a",)
+    held.installed("b", ("a",))
+    assert held.keep_for("a") is None  # installed: now the most recent
+    assert held.keep_for("c") == ("a",)  # "b" is dropped
+    held.installed("c", ("a",))
+    assert "b" not in held and "a" in held and "c" in held

@@ -50,6 +50,9 @@ class Head(torch.nn.Module):
     def rows(self, ids):
         return torch.nn.functional.embedding(ids.to(self.weight.device), self.weight)
 
+    def bias_of(self, ids):
+        return torch.zeros(ids.shape, device=self.weight.device)
+
 
 def checked_gather(device: torch.device):
     """One rank's exchange, refusing a tensor that is not on the device (as NCCL does)."""

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="envoykit", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
+    commands.add_parser("models", help="the architecture matrix: what envoykit reads, and how")
     info = commands.add_parser("info", help="start an engine, print ModelInfo and a generation")
     _engine_options(info)
     info.add_argument("--prompt", default="The capital of France is")
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args, passed_on = parser.parse_known_args(argv)
     if passed_on and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
+    if args.command == "models":
+        print(models_table())
+        return 0
     if args.command == "lab":
         return _lab(args)
     if args.command == "serve":
@@ -103,6 +107,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"envoykit: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def models_table() -> str:
+    """The architecture matrix as text: every architecture envoykit reads, with its layer
+    family, its sites and the built-in tiny checkpoint the tests run it on; then the ones
+    it refuses, and why. From the tables the tests use."""
+    from envoykit.model.families import ARCHITECTURES, REFUSED, sites_of
+    from envoykit.runtime.architectures import ARCHITECTURES as CHECKPOINTS
+
+    tiny = {arch.model_class: f"tiny-{name}" for name, arch in CHECKPOINTS.items()}
+    lines = [f"{'architecture':22} {'family':16} {'sites':27} {'checkpoint':17} notes"]
+    for name, arch in ARCHITECTURES.items():
+        sites = ",".join(sites_of(arch.family))
+        lines.append(
+            f"{name:22} {arch.family.name:16} {sites:27} {tiny.get(name, '-'):17} {arch.notes}"
+        )
+    lines.append("")
+    lines.append("Every architecture above: lens, sites, attribute, patch, patch_sweep, compare,")
+    lines.append("generate= and the tuned lens, at any TP size. Refused (plain traces still work):")
+    lines += [f"{name:22} {why}" for name, why in REFUSED.items()]
+    return "\n".join(lines)
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from envoykit.analyses import selfcheck
 from envoykit.analyses.surface import EngineSurface
 from envoykit.analyses.tuned import InstalledTranslators
 from envoykit.errors import EngineDead, InvalidRequest
@@ -67,6 +68,7 @@ class Engine(EngineSurface):
         max_model_len: int | None = None,
         log_level: str = "ERROR",
         progress: bool = True,
+        validate: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine; every check that can fail runs before a rank starts.
@@ -76,6 +78,9 @@ class Engine(EngineSurface):
         ``log_level`` is what vLLM may print on screen (everything from INFO up goes to
         ``engine.log_file``); its warnings on this backend are notes about the set-up
         (eager mode, no Triton, no tcmalloc), about twenty per start, hence ERROR.
+        ``validate``: run the self-check at load (`envoykit.analyses.selfcheck`, about a
+        second on demo), which confirms the readout on the model's real weights and disables
+        an analysis whose check fails; ``engine.info.validated`` says what passed.
         ``engine_kwargs`` go to ``vllm.LLM`` unchanged.
         """
         if dtype not in DTYPES:
@@ -94,6 +99,8 @@ class Engine(EngineSurface):
             )
         self._log_level = log_level
         self._progress = progress
+        self._validate = validate
+        self._checks: dict[str, str | None] = {}
         self._engine_kwargs = engine_kwargs
         self._lock = threading.RLock()
         self._llm: Any = None
@@ -149,6 +156,9 @@ class Engine(EngineSurface):
         # weakly: the engine must stay collectable (its finalizer closes the ranks).
         guard = weakref.WeakMethod(self.exclusive)
         llm.request_guard = lambda: (guard() or contextlib.nullcontext)()
+        if self._validate:
+            steps.set_description(f"{self._source.name}: self-check")
+            self._checks = selfcheck.run(self)
         steps.set_description(f"{self._source.name}: ready")
         steps.update()
         steps.close()
@@ -160,8 +170,21 @@ class Engine(EngineSurface):
         """The one line a start prints under its progress bar (a server prints its own)."""
         print(
             f"envoykit: {self._source.name} on {self._tp} {self._platform} rank(s), "
-            f"{self._dtype}, ready in {self.load_seconds:.1f} s; vLLM log: {self.log_file}"
+            f"{self._dtype}, ready in {self.load_seconds:.1f} s{self._check_note()}; "
+            f"vLLM log: {self.log_file}"
         )
+
+    def _check_note(self) -> str:
+        """What the self-check at load found, in a few words for the start line."""
+        if self.readout.family is None:
+            return (
+                f"; {self.readout.architecture} has no readout contract: analyses are refused, "
+                "plain traces work"
+            )
+        failed = [name for name, why in self._checks.items() if why is not None]
+        if failed:
+            return f"; self-check failed {', '.join(failed)} (engine.info.failed says why)"
+        return "; self-check passed" if self._checks else ""
 
     def _spawn(self, workers: Any, env: dict[str, str], scratch: str, steps: Any) -> Any:
         """vLLM's engine under nnsight, its processes started with ``env`` and ``scratch``."""
@@ -245,6 +268,8 @@ class Engine(EngineSurface):
             platform=self._platform,
             dtype=self._dtype,
             max_model_len=self._max_model_len,
+            validated=tuple(name for name, why in self._checks.items() if why is None),
+            failed=tuple((name, why) for name, why in self._checks.items() if why is not None),
         )
 
     def _install_translator(self, translator: TunedLens) -> str:

@@ -401,7 +401,7 @@ def test_layer_picker_offers_whole_valued_layers(tiny2):
     assert picker.selected == list(range(n + 1))
     picker.set_state({"selected": [0, n]})
     assert picker.get_state()["selected"] == [0, n]
-    assert tiny2.readout.mlp_prenorm is not None  # so the explorer offers the sites
+    assert tiny2.readout.family is not None  # so the explorer offers the sites
 
 
 @pytest.fixture

@@ -1,13 +1,16 @@
 """Direct logit attribution, computed on the ranks.
 
 The final residual stream is a sum: the embedding, plus what every attention block and every
-MLP block writes. The final norm is nonlinear only through its scale ``1 / rms(stream)``;
-frozen at its value on the final stream (the standard definition, as in TransformerLens's
-``logit_attrs``), it is linear, so each component's contribution to a target's logit is
+MLP block writes (read through the model's layer family, `envoykit.model.readout`). The final
+norm is nonlinear only through its scale ``1 / rms(stream)`` (``1 / std(stream)`` for a
+LayerNorm, which also subtracts the mean: a linear map); frozen at its value on the final
+stream (the standard definition, as in TransformerLens's ``logit_attrs``), it is linear, so
+each component's contribution to a target's logit is
 
-    contribution(c) = (c * gain * scale(final stream)) . W_U[target] * logit_scale
+    contribution(c) = (centre(c) * gain * scale(final stream)) . W_U[target] * logit_scale
 
-and the contributions add up to the model's logit before any soft-cap. Each rank reads the
+plus one ``bias`` component where the norm or the LM head has a bias, and the contributions
+add up to the model's logit before any soft-cap. Each rank reads the
 whole component outputs, gathers only the targets' unembedding rows (``[targets, d_model]``,
 never the full vocabulary) and reduces to ``[components, positions, targets]`` numbers, which
 is all that comes back.
@@ -15,7 +18,6 @@ is all that comes back.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,7 @@ from envoykit.analyses.request import (
     single_token_target,
 )
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Readout, at
+from envoykit.model.readout import Readout, at, norm_parameters, normalize, walk
 from envoykit.results.attribution import AttributionResult
 
 
@@ -78,41 +80,48 @@ def attribution_statistics(
     norm: Any,
     head: Any,
     parts: Sequence[torch.Tensor],
-    final: tuple[torch.Tensor, torch.Tensor],
+    final: tuple[torch.Tensor, torch.Tensor | None],
     positions: torch.Tensor | None,
     targets: Sequence[int],
     logit_scale: float,
 ) -> dict[str, torch.Tensor]:
     """Reduce the attribution on this rank: ``parts`` (``[T, d_model]`` each) sum to the
-    final stream ``final = (hidden, residual)``.
+    final stream, the row ``final`` (a pair, or the stream alone; see
+    `envoykit.model.readout`).
 
     Returns float32 tensors on the streams' device: ``values`` ``[parts, positions,
-    targets]``, ``logits`` (the model's pre-soft-cap logit, from its own final norm) and
-    ``model_logits`` (what the head returns, soft-cap included), both ``[positions, targets]``.
+    targets]``, ``bias`` ``[positions, targets]`` (what the final norm's bias and the head's
+    bias add, the same at every position), ``logits`` (the model's pre-soft-cap logit, from
+    its own final norm) and ``model_logits`` (what the head returns, soft-cap included),
+    both ``[positions, targets]``.
     """
-    hidden, residual = final
-    ids = torch.tensor(list(targets), dtype=torch.long, device=hidden.device)
-    normed = norm(hidden.clone(), residual.clone())[0]
+    value, residual = final
+    ids = torch.tensor(list(targets), dtype=torch.long, device=value.device)
+    normed = normalize(norm, value, residual)
     model_logits = head(normed)[:, ids].float()
     rows = head.rows(ids).float()
-    eps = float(norm.variance_epsilon)
-    # The norm's gain (weight, or 1 + weight for Gemma), read off the norm itself: a
-    # constant row of ones has rms 1, so the norm returns gain / sqrt(1 + eps).
-    ones = torch.ones(1, normed.shape[-1], dtype=normed.dtype, device=normed.device)
-    gain = norm(ones)[0].float() * math.sqrt(1.0 + eps)
-    stream = hidden.float() + residual.float()
-    frozen = torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + eps)
-    stacked = torch.stack([part.float() for part in parts])
-    values = (stacked * (frozen * gain)) @ rows.T * logit_scale
-    logits = normed.float() @ rows.T * logit_scale
+    head_bias = head.bias_of(ids).float()
+    affine = norm_parameters(norm, normed.shape[-1], normed)
+    stream = value.float() if residual is None else value.float() + residual.float()
+    centered = affine["centered"]
+
+    def centre(x: torch.Tensor) -> torch.Tensor:
+        return x - centered * x.mean(-1, keepdim=True)
+
+    frozen = torch.rsqrt(centre(stream).pow(2).mean(-1, keepdim=True) + affine["eps"])
+    stacked = torch.stack([centre(part.float()) for part in parts])
+    values = (stacked * (frozen * affine["gain"])) @ rows.T * logit_scale
+    bias = (affine["bias"] @ rows.T + head_bias).expand(stream.shape[0], -1) * logit_scale
+    logits = (normed.float() @ rows.T + head_bias) * logit_scale
     if positions is not None:
         picked = positions.to(values.device)
-        values, logits, model_logits = (
+        values, bias, logits, model_logits = (
             values[:, picked],
+            bias[picked],
             logits[picked],
             model_logits[picked],
         )
-    return {"values": values, "logits": logits, "model_logits": model_logits}
+    return {"values": values, "bias": bias, "logits": logits, "model_logits": model_logits}
 
 
 def run(
@@ -123,37 +132,35 @@ def run(
 
     from envoykit.analyses.lens import distinct_labels
 
-    readout.require_sublayers()
-    prenorm = readout.mlp_prenorm
+    n = readout.n_layers
+    readout.require("attribution")
     positions = None if request.positions is None else torch.tensor(request.positions)
     target_ids = [t.token_id for t in request.targets]
     processor = model._module.logits_processor
     logit_scale = float(processor.scale)
+    # The embedding, each layer's two writes, and the final stream: the writes sum to it.
+    reads = {0: {"resid"}} | {layer: {"attn", "mlp"} for layer in range(1, n + 1)}
+    reads[n] = {"attn", "mlp", "resid"}
     with model.trace(request.prompt, temperature=0.0, max_tokens=1):
         # Envoys found from the root inside the trace: shipped with the root, the unembedding
         # envoy can reach the model's logits processor on the rank.
-        layer_list = at(model, readout.layers)
         norm = at(model, readout.final_norm)
         head = at(model, readout.unembedding)
-        args, kwargs = layer_list[0].inputs
-        embedded = args[1] if len(args) > 1 else kwargs["hidden_states"]
-        # Cloned where read: the fused add-norm may overwrite its inputs later on.
-        parts = [embedded.clone()]
-        for layer in layer_list:
-            parts.append(getattr(layer, prenorm).inputs[0][0].clone())
-            hidden, residual = layer.output[:2]
-            hidden, residual = hidden.clone(), residual.clone()
-            parts.append(hidden)
+        rows = walk(readout, at(model, readout.layers), reads, {})
+        parts = [value for value, _ in rows[:-1]]
         stats = attribution_statistics(
-            norm, head, parts, (hidden, residual), positions, target_ids, logit_scale
+            norm, head, parts, rows[-1], positions, target_ids, logit_scale
         )
         stats = nnsight.save({key: value.cpu() for key, value in stats.items()})
     tokenizer = model.tokenizer
     ids = list(request.prompt_ids)
     picked = list(range(len(ids))) if request.positions is None else list(request.positions)
-    components = ["embed"] + [
-        f"{kind} {n}" for n in range(1, readout.n_layers + 1) for kind in ("attn", "mlp")
-    ]
+    components = ["embed"] + [f"{kind} {k}" for k in range(1, n + 1) for kind in ("attn", "mlp")]
+    values = stats["values"].numpy()
+    bias = stats["bias"].numpy()
+    if bias.any():  # a LayerNorm's bias or an LM head's: a component of its own
+        components.append("bias")
+        values = np.concatenate([values, bias[None]])
     return AttributionResult(
         prompt=request.prompt,
         token_ids=np.array([ids[p] for p in picked]),
@@ -163,7 +170,7 @@ def run(
         target_ids=np.array(target_ids),
         target_labels=tuple(t.label for t in request.targets),
         target_tokens=tuple(t.token for t in request.targets),
-        values=stats["values"].numpy(),
+        values=values,
         logits=stats["logits"].numpy(),
         model_logits=stats["model_logits"].numpy(),
         meta={

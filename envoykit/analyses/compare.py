@@ -22,16 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from envoykit.analyses.lens import DEFAULT_MEMORY_BUDGET, final_norm, layers_per_call
-from envoykit.analyses.patching import (
-    Patch,
-    Write,
-    as_patches,
-    plan_writes,
-    source_writes,
-    walk_layers,
-    writes_by_layer,
-)
+from envoykit.analyses.lens import DEFAULT_MEMORY_BUDGET, layers_per_call
+from envoykit.analyses.patching import Patch, as_patches, plan_writes, source_writes
 from envoykit.analyses.request import (
     normalise_layers,
     normalise_positions,
@@ -39,7 +31,9 @@ from envoykit.analyses.request import (
     single_token_target,
 )
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import at
+from envoykit.model.readout import Write, at, normalize, walk, writes_by_layer
+from envoykit.model.vocab_shard import VocabShard
+from envoykit.ranks import vocab_parallel
 from envoykit.results.compare import CompareResult
 
 
@@ -154,9 +148,7 @@ def _writes(run: Run, ids: list[int]) -> list[Write]:
 def _stream_rows(model: Any, readout: Any, layers: Sequence[int], writes: list[Write]) -> list:
     """Inside a trace: the residual stream after each of ``layers``, with ``writes`` made."""
     reads = {layer: {"resid"} for layer in layers}
-    return walk_layers(
-        at(model, readout.layers), readout.mlp_prenorm, reads, writes_by_layer(writes)
-    )
+    return walk(readout, at(model, readout.layers), reads, writes_by_layer(writes))
 
 
 def normed_rows(
@@ -171,8 +163,9 @@ def normed_rows(
     with model.trace(prompt, temperature=0.0, max_tokens=1):
         norm = at(model, readout.final_norm)
         streams = _stream_rows(model, readout, layers, writes)
+        normed = [normalize(norm, value, residual) for value, residual in streams]
         rows = nnsight.save(
-            torch.stack([final_norm(norm, h, r)[picked] for h, r in streams]).float().cpu()
+            torch.stack([row[picked.to(row.device)] for row in normed]).float().cpu()
         )
     return rows
 
@@ -193,49 +186,53 @@ def compared_rows(
     model, readout = engine.model, engine.readout
     picked = torch.tensor(list(positions))
     target_ids = [t.token_id for t in targets]
-    vocab = engine.info.vocab
     with model.trace(prompt, temperature=0.0, max_tokens=1):
         norm = at(model, readout.final_norm)
         head = at(model, readout.unembedding)
         streams = _stream_rows(model, readout, layers, writes)
-        rows_b = torch.stack([final_norm(norm, h, r)[picked] for h, r in streams])
-        stats = nnsight.save(
-            divergence_statistics(head, rows_a.to(rows_b), rows_b, target_ids, vocab, budget)
+        normed = [normalize(norm, value, residual) for value, residual in streams]
+        rows_b = torch.stack([row[picked.to(row.device)] for row in normed])
+        stats = divergence_statistics(
+            head.vocab_shard(), rows_a.to(rows_b), rows_b, target_ids, budget
         )
+        stats = nnsight.save({key: value.cpu() for key, value in stats.items()})
     return {key: value.numpy() for key, value in stats.items()}
 
 
 def divergence_statistics(
-    head: Any,
+    shard: VocabShard,
     rows_a: torch.Tensor,
     rows_b: torch.Tensor,
     targets: Sequence[int],
-    vocab: int,
     budget: int,
 ) -> dict[str, torch.Tensor]:
-    """On a rank: both runs' ``[layers, positions, d_model]`` rows through the head, chunked
-    by layers, reduced to JS divergence, top-1 of each and target probabilities of each."""
+    """On a rank: both runs' ``[layers, positions, d_model]`` rows through this rank's slice of
+    the head, chunked by layers, reduced to JS divergence, top-1 of each and target
+    probabilities of each, with the vocabulary-parallel exchange the lens uses
+    (`envoykit.ranks.vocab_parallel`): every rank sums its slice's share, in float64."""
     n_layers, n_pos = rows_a.shape[:2]
-    # Two runs' logits and float64 log-probs per layer: eight times float32 logits' bytes.
-    per_call = max(1, layers_per_call(n_pos, vocab, budget) // 8)
-    ids = torch.tensor(list(targets), dtype=torch.long)
+    # Two runs' float64 logits and log-probs per layer: eight times float32 logits' bytes.
+    per_call = max(1, layers_per_call(n_pos, shard.largest, budget) // 8)
     pieces: dict[str, list[torch.Tensor]] = {}
     for start in range(0, n_layers, per_call):
         chunk = slice(start, start + per_call)
         both = torch.cat([rows_a[chunk], rows_b[chunk]]).flatten(0, 1)
-        logp = torch.log_softmax(head(both).double(), -1).unflatten(0, (2, -1, n_pos))
+        logits = shard.logits(both).double().unflatten(0, (2, -1, n_pos))
+        largest, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
+            shard, logits, 1, targets
+        )
+        logp = logits - largest.unsqueeze(-1) - log_sum.unsqueeze(-1)
         mixture = torch.logaddexp(logp[0], logp[1]) - math.log(2.0)
         js = 0.5 * sum((side.exp() * (side - mixture)).sum(-1) for side in logp)
-        top = logp.max(-1)
         chunk_stats = {
-            "js": js.clamp_min(0.0),
-            "top_ids_a": top.indices[0],
-            "top_ids_b": top.indices[1],
-            "top_probs_a": top.values[0].exp().float(),
-            "top_probs_b": top.values[1].exp().float(),
-            "target_probs_a": logp[0][..., ids].exp().float(),
-            "target_probs_b": logp[1][..., ids].exp().float(),
+            "js": shard.gather(js).sum(0).clamp_min(0.0),
+            "top_ids_a": top_ids[0, ..., 0],
+            "top_ids_b": top_ids[1, ..., 0],
+            "top_probs_a": top_logp[0, ..., 0].exp().float(),
+            "top_probs_b": top_logp[1, ..., 0].exp().float(),
+            "target_probs_a": target_logp[0].exp().float(),
+            "target_probs_b": target_logp[1].exp().float(),
         }
         for key, value in chunk_stats.items():
-            pieces.setdefault(key, []).append(value.cpu())
+            pieces.setdefault(key, []).append(value)
     return {key: torch.cat(values) for key, values in pieces.items()}

@@ -2,12 +2,12 @@
 
 A lens row is a (layer, site) pair. Sites (see `envoykit.model.readout` for where they are read):
 
-* ``resid`` — the residual stream after the layer: its ``(hidden, residual)`` pair goes
-  through the model's final norm the way vLLM computes its own last step (the fused
-  add-norm), so the last layer's lens is the model's own next-token distribution (to float32
-  rounding), in bfloat16 as in float32;
+* ``resid`` — the residual stream after the layer, through the model's final norm the way
+  the model computes its own last step (for a pair family, vLLM's fused add-norm of its
+  ``(hidden, residual)`` pair), so the last layer's lens is the model's own next-token
+  distribution (to float32 rounding), in bfloat16 as in float32;
 * ``resid_mid`` — the stream between the attention and the MLP block, normalised the same
-  way from the MLP pre-norm's ``(attn_out, resid_pre)`` inputs;
+  way;
 * ``attn`` / ``mlp`` — what one block writes into the stream, **on its own**: the lone vector
   goes through the final norm by itself (scaled by its own RMS, then the norm's gain) and the
   head. This shows which tokens the block's write points towards, not how much it moves the
@@ -30,9 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from envoykit.analyses.patching import Write, walk_layers, writes_by_layer
 from envoykit.analyses.request import SITES, LensRequest, Row
-from envoykit.model.readout import Readout, at
+from envoykit.model.readout import Readout, Write, at, normalize, walk, writes_by_layer
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import vocab_parallel
 from envoykit.ranks.translators import translated
@@ -64,7 +63,7 @@ def lens_statistics(
     ``entropy``/``kl`` ``[layers, positions]``, ``target_probs``/``target_ranks``
     ``[layers, positions, targets]`` (rank 0 = the most likely token).
     """
-    rows = [final_norm(norm, hidden, residual) for hidden, residual in streams]
+    rows = [normalize(norm, value, residual) for value, residual in streams]
     device = rows[0].device
     if positions is not None:
         rows = [row[positions.to(device)] for row in rows]
@@ -136,18 +135,6 @@ def _reduce_positions(
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
 
 
-def final_norm(norm: Any, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """A lens row through the model's final norm: the fused add-norm for a stream's
-    ``(hidden, residual)`` pair, as vLLM computes its last step; a lone vector on its own.
-
-    On copies: vLLM's fused add-norm may work in place, and the model's own forward must not
-    see it.
-    """
-    if residual is None:
-        return norm(hidden.clone())
-    return norm(hidden.clone(), residual.clone())[0]
-
-
 def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
     """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice), and
     the two temporaries of their size the reductions make, fit ``budget`` bytes."""
@@ -189,7 +176,6 @@ def run(
     layer_list = at(model, readout.layers)
     norm = at(model, readout.final_norm)
     head = at(model, readout.unembedding)
-    prenorm = readout.mlp_prenorm
     positions = None if request.positions is None else torch.tensor(request.positions)
     target_ids = [t.token_id for t in request.targets]
     reduce_dtype = getattr(torch, request.reduce_dtype)
@@ -202,7 +188,7 @@ def run(
                 samples = nnsight.save([])
                 for step in tracer.iter[:steps_wanted]:
                     # Patches go into the prompt's own forward pass, the first step.
-                    streams = walk_layers(layer_list, prenorm, reads, to_write if step == 0 else {})
+                    streams = walk(readout, layer_list, reads, to_write if step == 0 else {})
                     if translator is not None:
                         streams = translated(streams, rows, translator, readout.n_layers)
                     stats = lens_statistics(

@@ -8,13 +8,15 @@ metric. One trace with a source and a target invoke would save the first forward
 the target's writes would wait on the source's reads across two requests, which only works
 if vLLM's scheduler puts both in one step; two steps never depend on it.
 
-What a cell holds, by site (see `envoykit.model.readout`):
+What a cell holds, by site (read and written through the model's layer family, see
+`envoykit.model.readout`):
 
-* ``resid`` — the ``(hidden, residual)`` pair the layer returns (the embedding for layer 0):
-  both are copied, so the stream after the layer is the source's exactly;
-* ``resid_mid`` — the MLP pre-norm's ``(attn_out, resid_pre)`` inputs, both copied;
+* ``resid`` — the stream after the layer (the embedding for layer 0); for a pair family both
+  halves of the ``(hidden, residual)`` pair are copied, so the stream is the source's exactly;
+* ``resid_mid`` — the stream between attention and MLP, likewise;
 * ``attn`` / ``mlp`` — what that block writes, copied alone: the rest of the target's stream
-  stays its own.
+  stays its own (the stream becomes the target's own stream before the block plus the
+  source's write).
 """
 
 from __future__ import annotations
@@ -27,13 +29,7 @@ import torch
 
 from envoykit.analyses.request import SITES, normalise_layers, normalise_prompts
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Readout, at
-
-# Where a site's value sits: in the MLP pre-norm's inputs, or in what the layer returns.
-PRENORM_SITES = ("attn", "resid_mid")
-OUTPUT_SITES = ("mlp", "resid")
-# Sites whose value is a (hidden, residual) pair: the stream itself, not one block's write.
-_PAIRED = ("resid", "resid_mid")
+from envoykit.model.readout import Cell, Readout, Write, at, walk, writes_by_layer
 
 
 @dataclass(frozen=True)
@@ -51,25 +47,6 @@ class Patch:
     source_position: int = -1
     target_position: int = -1
     site: str = "resid"
-
-
-@dataclass(frozen=True)
-class Cell:
-    """A checked patch location: layer number, site and position in its prompt."""
-
-    layer: int
-    site: str
-    position: int
-
-
-@dataclass(frozen=True)
-class Write:
-    """A value to write into a run: at ``cell`` (target position), ``value`` and, for paired
-    sites, ``residual`` (each ``[d_model]``)."""
-
-    cell: Cell
-    value: torch.Tensor
-    residual: torch.Tensor | None = None
 
 
 def check_cell(layer: Any, site: str, position: Any, n_layers: int, length: int, what: str) -> Cell:
@@ -118,49 +95,6 @@ def plan_writes(
     return plan
 
 
-def walk_layers(
-    layer_list: Any,
-    prenorm: str | None,
-    reads: dict[int, set[str]],
-    writes: dict[int, list[Write]],
-) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Inside a trace: walk the layers in the model's order, write ``writes`` in place, and
-    read each layer's ``reads`` sites as ``(value, residual or None)`` rows ``[T, d_model]``,
-    in the order the model computes them (per layer: attn, resid_mid, mlp, resid)."""
-    streams = []
-    for number in sorted({*reads, *writes}):
-        sites = reads.get(number, set())
-        here = writes.get(number, [])
-        if number == 0:
-            args, kwargs = layer_list[0].inputs
-            embedded = args[1] if len(args) > 1 else kwargs["hidden_states"]
-            write_embedding(embedded, here)
-            if sites:
-                streams.append((embedded.clone(), None))
-            continue
-        layer = layer_list[number - 1]
-        early = [w for w in here if w.cell.site in PRENORM_SITES]
-        if early or "attn" in sites or "resid_mid" in sites:
-            written, before = getattr(layer, prenorm).inputs[0][:2]
-            write_at(written, before, early, PRENORM_SITES)
-            # Cloned where read: the fused add-norm may overwrite its inputs.
-            written, before = written.clone(), before.clone()
-            if "attn" in sites:
-                streams.append((written, None))
-            if "resid_mid" in sites:
-                streams.append((written, before))
-        late = [w for w in here if w.cell.site in OUTPUT_SITES]
-        if late or "mlp" in sites or "resid" in sites:
-            hidden, residual = layer.output[:2]
-            write_at(hidden, residual, late, OUTPUT_SITES)
-            hidden, residual = hidden.clone(), residual.clone()
-            if "mlp" in sites:
-                streams.append((hidden, None))
-            if "resid" in sites:
-                streams.append((hidden, residual))
-    return streams
-
-
 def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell]) -> list[Write]:
     """Run ``prompt`` once and read the value of every cell (whole, any TP): one `Write` per
     cell, still at the cell's own position."""
@@ -171,7 +105,7 @@ def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell])
     for layer, site in rows:
         reads.setdefault(layer, set()).add(site)
     with model.trace(prompt, temperature=0.0, max_tokens=1):
-        streams = walk_layers(at(model, readout.layers), readout.mlp_prenorm, reads, {})
+        streams = walk(readout, at(model, readout.layers), reads, {})
         saved = nnsight.save([(a.cpu(), None if b is None else b.cpu()) for a, b in streams])
     writes = []
     for cell in cells:
@@ -183,33 +117,7 @@ def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell])
 
 def write_cells(model: Any, readout: Readout, writes: Sequence[Write]) -> None:
     """Inside a trace (one invoke): write every value into this run, layer by layer."""
-    walk_layers(at(model, readout.layers), readout.mlp_prenorm, {}, writes_by_layer(writes))
-
-
-def write_embedding(embedded: torch.Tensor, writes: Sequence[Write]) -> None:
-    """Inside a trace, at the first layer's input: overwrite the embedding in place."""
-    for item in writes:
-        embedded[item.cell.position] = item.value.to(embedded)
-
-
-def write_at(
-    first: torch.Tensor, second: torch.Tensor, writes: Sequence[Write], sites: tuple[str, ...]
-) -> None:
-    """Inside a trace: overwrite, in place, the cells of ``sites`` in the pair the model is
-    about to use (the MLP pre-norm's inputs, or what the layer returns)."""
-    for item in writes:
-        if item.cell.site in sites:
-            first[item.cell.position] = item.value.to(first)
-            if item.residual is not None:
-                second[item.cell.position] = item.residual.to(second)
-
-
-def writes_by_layer(writes: Sequence[Write]) -> dict[int, list[Write]]:
-    """Writes grouped by layer number, as the lens trace walks the layers."""
-    layers: dict[int, list[Write]] = {}
-    for item in writes:
-        layers.setdefault(item.cell.layer, []).append(item)
-    return layers
+    walk(readout, at(model, readout.layers), {}, writes_by_layer(writes))
 
 
 def source_writes(

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from envoykit.analyses import selfcheck
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Readout
 
@@ -123,8 +124,8 @@ class EngineSurface:
             if len(req.prompts) != 1:
                 raise InvalidRequest("a patch goes into one target prompt, not a list of them")
             plan = patching.plan_writes(self.tokenizer, patches, req.prompt_ids[0], info.n_layers)
-        if any(site != "resid" for _, site in req.rows) or any(p.site != "resid" for p in patches):
-            self.readout.require_sublayers()
+        self.readout.require("the lens")
+        self._require_sites([site for _, site in req.rows] + [p.site for p in patches])
         key = None
         if translator is not None:
             if any(site != "resid" for _, site in req.rows):
@@ -180,6 +181,8 @@ class EngineSurface:
         """
         from envoykit.analyses import attribution
 
+        self.readout.require("attribution")
+        selfcheck.require(self.info, "attribution")
         info = self.info
         req = attribution.build_request(
             self.tokenizer, info.vocab, info.max_model_len, prompt, targets, positions
@@ -227,11 +230,17 @@ class EngineSurface:
             other_token=other_token,
             batch=batch,
         )
-        if site != "resid":
-            self.readout.require_sublayers()
+        self._require_sites([site])
         return sweep.run(
             self.model, self.readout, req, self._result_meta(), self.exclusive, progress
         )
+
+    def _require_sites(self, sites: Sequence[str]) -> None:
+        """Refuse what this model's layers cannot give, or what the self-check disabled."""
+        self.readout.require_sites(sites)
+        selfcheck.require(self.info, "lens")
+        if any(site != "resid" for site in sites):
+            selfcheck.require(self.info, "sites")
 
     def _result_meta(self) -> dict[str, Any]:
         """What every result records about the engine that produced it."""

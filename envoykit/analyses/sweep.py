@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from envoykit.analyses.patching import Cell, Write, metric_of_runs, read_cells
+from envoykit.analyses.patching import metric_of_runs, read_cells
 from envoykit.analyses.request import (
     SITES,
     Target,
@@ -26,7 +26,7 @@ from envoykit.analyses.request import (
     single_token_target,
 )
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Readout
+from envoykit.model.readout import Cell, Readout, Write
 from envoykit.results.sweep import METRICS, SweepResult
 
 

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load, load_file, save, save_file
 
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import at
+from envoykit.model.readout import at, norm_parameters, walk
 from envoykit.results.tuned import LensQuality
 
 # Head rows hashed to recognise a model (bfloat16-rounded: the same model in float32 and in
@@ -47,14 +47,20 @@ class Head:
 
     weight: torch.Tensor  # [vocab, d_model]
     gain: torch.Tensor  # [d_model]
+    bias: torch.Tensor  # [d_model], zeros for an RMS norm
     eps: float
+    centered: bool  # a LayerNorm: the mean is subtracted first
+    head_bias: torch.Tensor  # [vocab], zeros for a head without one
     soft_cap: float | None
     logit_scale: float
 
     def log_probs(self, stream: torch.Tensor) -> torch.Tensor:
         """``log_softmax`` of the logits the model would give for ``stream`` ``[T, d]``."""
-        normed = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + self.eps) * self.gain
-        logits = normed @ self.weight.T
+        if self.centered:
+            stream = stream - stream.mean(-1, keepdim=True)
+        scale = torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = stream * scale * self.gain + self.bias
+        logits = normed @ self.weight.T + self.head_bias
         if self.soft_cap:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return torch.log_softmax(logits * self.logit_scale, -1)
@@ -333,15 +339,13 @@ def layer_streams(engine: Any, texts: Sequence[str]) -> torch.Tensor:
     every layer, whole, for ``texts`` (one invoke each), joined along tokens."""
     import nnsight
 
-    from envoykit.analyses.patching import walk_layers
-
     model, readout = engine.model, engine.readout
+    readout.require("the tuned lens")
     reads = {layer: {"resid"} for layer in range(engine.info.n_layers + 1)}
     with engine.exclusive(), model.trace(temperature=0.0, max_tokens=1) as tracer:
         for text in texts:
             with tracer.invoke(text):
-                layers = at(model, readout.layers)
-                streams = walk_layers(layers, readout.mlp_prenorm, reads, {})
+                streams = walk(readout, at(model, readout.layers), reads, {})
                 stacked = nnsight.save(
                     torch.stack([h if r is None else h + r for h, r in streams]).float().cpu()
                 )
@@ -350,28 +354,40 @@ def layer_streams(engine: Any, texts: Sequence[str]) -> torch.Tensor:
 
 
 def gather_head(engine: Any) -> Head:
-    """The unembedding (whole, in chunks of rows), the final norm's gain and epsilon, the
-    logit soft-cap and scale: what the final distribution is computed from."""
+    """The unembedding and its bias (whole, in chunks of rows), the final norm's affine map
+    (`envoykit.model.readout.norm_parameters`), the logit soft-cap and scale: what the final
+    distribution is computed from."""
     import nnsight
 
     model, readout, vocab = engine.model, engine.readout, engine.info.vocab
     d_model = engine.info.d_model
-    rows = []
+    rows, biases = [], []
     with engine.exclusive():
         for start in range(0, vocab, _HEAD_CHUNK):
             ids = torch.arange(start, min(vocab, start + _HEAD_CHUNK))
             with model.trace("The", temperature=0.0, max_tokens=1):
-                part = nnsight.save(at(model, readout.unembedding).rows(ids).float().cpu())
+                head = at(model, readout.unembedding)
+                part = nnsight.save(head.rows(ids).float().cpu())
+                bias = nnsight.save(head.bias_of(ids).float().cpu())
             rows.append(part)
+            biases.append(bias)
         with model.trace("The", temperature=0.0, max_tokens=1):
             norm = at(model, readout.final_norm)
-            eps = nnsight.save(float(norm.variance_epsilon))
-            ones = torch.ones(1, d_model, device=norm.weight.device, dtype=norm.weight.dtype)
-            gain = nnsight.save(
-                (norm(ones)[0].float() * math.sqrt(1.0 + norm.variance_epsilon)).cpu()
-            )
+            like = at(model, readout.layers)[0].output
+            like = (like[0] if isinstance(like, tuple) else like).float()
+            affine = norm_parameters(norm, d_model, like)
+            affine = nnsight.save({key: value.cpu() for key, value in affine.items()})
     processor = model._module.logits_processor
-    return Head(torch.cat(rows), gain, eps, processor.soft_cap, float(processor.scale))
+    return Head(
+        torch.cat(rows),
+        affine["gain"],
+        affine["bias"],
+        float(affine["eps"]),
+        bool(affine["centered"]),
+        torch.cat(biases),
+        processor.soft_cap,
+        float(processor.scale),
+    )
 
 
 def fingerprint(engine: Any) -> dict:

@@ -154,7 +154,7 @@ class LensExplorer(widgets.VBox):
             self.picker = LayerPicker(result_layers(source))
             self.picker.rows = zip(source.layers.tolist(), source.sites)
         else:
-            sublayers = source.readout.mlp_prenorm is not None
+            sublayers = source.readout.family is not None
             self.picker = LayerPicker(picker_layers(source.locations(), sublayers=sublayers))
         group = uuid.uuid4().hex  # drops from this explorer's second heatmap only
         self.heatmap = Heatmap(drag_role="target", drag_group=group)

@@ -94,8 +94,26 @@ class EnvoykitVLLM(VLLM):
         return state
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> torch.nn.Module:
-        meta_model = super()._load_meta(repo_id, **kwargs)
-        self.readout = Readout.find(meta_model)
+        # vLLM's loader post-processes the tree it builds, and on the CPU a mixture of experts
+        # prepacks its expert weights for the fused kernel there
+        # (`CPUUnquantizedExperts.process_weights_after_loading`), ops with no meta kernel:
+        # every MoE model's build raised. They fill an ``empty_like`` of the weight in place,
+        # so on meta there is nothing to do; for the length of this build, in this process
+        # only, they do nothing on meta tensors. The ranks pack their real weights as before.
+        import vllm._custom_ops  # noqa: F401  (loads vLLM's kernels into torch.ops._C)
+
+        has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+        meta_kernels = torch.library.Library("_C", "IMPL")
+        try:
+            for name in ("prepack_moe_weight", "prepack_moe_weight_int8"):
+                if hasattr(torch.ops._C, name) and not has_kernel(f"_C::{name}", "Meta"):
+                    meta_kernels.impl(name, lambda *args: None, "Meta")
+            meta_model = super()._load_meta(repo_id, **kwargs)
+        finally:
+            meta_kernels._destroy()
+        config = _hf_config(repo_id)
+        architecture = (config.get("architectures") or [type(meta_model).__name__])[0]
+        self.readout = Readout.find(meta_model, architecture, config)
         return meta_model
 
     def _load(self, repo_id: str, **kwargs: Any) -> torch.nn.Module:
@@ -133,6 +151,13 @@ class EnvoykitVLLM(VLLM):
 _RAISED_ON_RANKS = {cls.__name__: cls for cls in (InvalidRequest, ShardedValue)}
 
 
+def _hf_config(repo_id: str) -> dict:
+    """The checkpoint's Hugging Face config as a dict (its architecture picks the family)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(repo_id).to_dict()
+
+
 class UnembedEnvoy(ParallelEnvoy):
     """The embedding and the LM head: whole ids in, whole embeddings or whole logits out."""
 
@@ -158,7 +183,7 @@ class UnembedEnvoy(ParallelEnvoy):
                 f"{self.path} is an input embedding, not the model's unembedding: it takes "
                 "integer token ids; unembed hidden states with model.lm_head(...)"
             )
-        return root.logits_processor(self._module, value)
+        return root.logits_processor(self._module, value, head_bias(self._module))
 
     def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Whole rows ``[n, d_model]`` of the unembedding matrix for ``token_ids``, any TP.
@@ -173,6 +198,21 @@ class UnembedEnvoy(ParallelEnvoy):
 
         module = unembedding_module(self.root._module)
         return VocabParallelEmbedding.forward(module, token_ids.to(module.weight.device))
+
+    def bias_of(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The head's bias ``[n]`` for ``token_ids`` (zeros for a head without one), whole at
+        any TP: each rank holds its slice of the bias, the others give zeros, and one
+        all-gather sums them, as `rows` does for the weight."""
+        module = unembedding_module(self.root._module)
+        bias = head_bias(module)
+        ids = token_ids.to(module.weight.device)
+        if bias is None:
+            return torch.zeros(ids.shape, dtype=module.weight.dtype, device=ids.device)
+        shard = self.vocab_shard()
+        local = ids - shard.start
+        held = (local >= 0) & (local < shard.size)
+        values = torch.where(held, bias[local.clamp(0, shard.size - 1)], 0.0)
+        return shard.gather(values.float()).sum(0)
 
     def vocab_shard(self) -> VocabShard:
         """This rank's slice of the unembedding, for reductions that need no whole logits.
@@ -190,8 +230,10 @@ class UnembedEnvoy(ParallelEnvoy):
         size = indices.num_org_elements
         group = get_tp_group()
 
+        bias = head_bias(module)
+
         def logits(hidden: torch.Tensor) -> torch.Tensor:
-            return root.logits_processor(module, hidden, skip_gather=True)[..., :size]
+            return root.logits_processor(module, hidden, bias, skip_gather=True)[..., :size]
 
         def gather(value: torch.Tensor) -> torch.Tensor:
             value = value.unsqueeze(0).contiguous()
@@ -205,6 +247,13 @@ class UnembedEnvoy(ParallelEnvoy):
         # Rank 0's slice: the padding is at the end of the vocabulary.
         largest = min(indices.num_org_elements_padded, module.org_vocab_size)
         return VocabShard(logits, indices.org_vocab_start_index, size, gather, largest)
+
+
+def head_bias(module: torch.nn.Module) -> torch.Tensor | None:
+    """The LM head's bias (GPT-J's; this rank's slice of it), which vLLM's models pass to
+    their logits processor beside the head; None for a head without one."""
+    bias = getattr(module, "bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None
 
 
 class ShardedEnvoy(Envoy):

@@ -37,7 +37,7 @@ def attribution(
         values = res.of(target)[:, position]
         name = f"logit({res.target_tokens[res.target_index(target)]!r})"
     kinds, layers = np.array(res.component_kinds), res.component_layers
-    n_layers = int(layers.max())
+    n_layers = int(layers[kinds != "bias"].max())
     if ax is None:
         _, ax = plt.subplots(figsize=(min(4.0 + 0.32 * n_layers, 16), 4.0))
     width = 0.4
@@ -45,12 +45,15 @@ def attribution(
     for kind, shift, colour in (("attn", -width / 2, "C0"), ("mlp", width / 2, "C1")):
         picked = kinds == kind
         ax.bar(layers[picked] + shift, values[picked], width, color=colour, label=kind)
+    if (kinds == "bias").any():
+        ax.bar([n_layers + 1], values[kinds == "bias"], width, color="0.3", label="bias")
     # The running sum in the order the stream is built: embed, attn 1, mlp 1, attn 2, ...
     x = layers + np.select([kinds == "attn", kinds == "mlp"], [-width / 2, width / 2], 0.0)
     ax.plot(x, np.cumsum(values), color="k", marker=".", linewidth=1, label="running sum")
     ax.axhline(float(values.sum()), color="k", linestyle=":", linewidth=1)
     ax.axhline(0.0, color="0.5", linewidth=0.5)
-    ax.set_xticks(range(n_layers + 1), ["embed", *map(str, range(1, n_layers + 1))], fontsize=7)
+    ticks = ["embed", *map(str, range(1, n_layers + 1))] + ["bias"] * int((kinds == "bias").any())
+    ax.set_xticks(range(len(ticks)), ticks, fontsize=7)
     ax.set_xlabel("layer")
     ax.set_ylabel(f"contribution to {name}")
     ax.set_title(

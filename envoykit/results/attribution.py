@@ -30,7 +30,8 @@ class AttributionResult(Result):
         prompt: the prompt text.
         token_ids, tokens, positions: ``[P]`` input tokens (labels made distinct) and their
             places in the sequence.
-        components: ``[C]`` ``"embed"``, ``"attn 1"``, ``"mlp 1"``, …, ``"mlp n"``.
+        components: ``[C]`` ``"embed"``, ``"attn 1"``, ``"mlp 1"``, …, ``"mlp n"``, and
+            ``"bias"`` where the final norm (a LayerNorm) or the LM head adds a constant.
         target_ids, target_labels, target_tokens: ``[N]`` the targets.
         values: ``[C, P, N]`` each component's contribution: the component through the final
             norm with the norm's scale frozen at its value on the final stream, dotted with
@@ -128,12 +129,19 @@ class AttributionResult(Result):
 
     @property
     def component_layers(self) -> np.ndarray:
-        """``[C]`` the lens layer of each component (0 for the embedding)."""
-        return np.array([0 if c == "embed" else int(c.split()[1]) for c in self.components])
+        """``[C]`` the lens layer of each component (0 for the embedding; the bias, added
+        after the last layer, one past it)."""
+        last = max((int(c.split()[1]) for c in self.components if " " in c), default=0)
+        return np.array(
+            [
+                0 if c == "embed" else last + 1 if c == "bias" else int(c.split()[1])
+                for c in self.components
+            ]
+        )
 
     @property
     def component_kinds(self) -> tuple[str, ...]:
-        """``[C]`` ``"embed"``, ``"attn"`` or ``"mlp"``."""
+        """``[C]`` ``"embed"``, ``"attn"``, ``"mlp"`` or ``"bias"``."""
         return tuple(c.split()[0] for c in self.components)
 
     # -- export ----------------------------------------------------------------------------

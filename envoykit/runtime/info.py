@@ -28,6 +28,15 @@ class ModelInfo:
     platform: str
     dtype: str
     max_model_len: int
+    # The self-check at load (`envoykit.analyses.selfcheck`): the checks that passed, and
+    # (check, why) for those that failed; both empty when it was not run.
+    validated: tuple[str, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        # As JSON brings them from a server: lists.
+        object.__setattr__(self, "validated", tuple(self.validated))
+        object.__setattr__(self, "failed", tuple(tuple(item) for item in self.failed))
 
 
 # Config keys by meaning, in the spellings of the configs transformers ships (GPT-2 and

@@ -51,6 +51,9 @@ class Head(torch.nn.Module):
     def rows(self, ids):
         return torch.nn.functional.embedding(ids.to(self.weight.device), self.weight)
 
+    def bias_of(self, ids):
+        return torch.zeros(ids.shape, device=self.weight.device)
+
 
 def exchange(t: torch.Tensor, ranks: int = 2) -> torch.Tensor:
     """Two ranks' all-gather: refuses what is not on the device, as a process group does."""

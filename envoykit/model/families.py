@@ -1,0 +1,158 @@
+"""Layer families: how each kind of decoder layer vLLM serves holds the residual stream.
+
+Every analysis reads and writes the stream through one `Family` (see `envoykit.model.readout`),
+so what differs between architectures is written here once, as data:
+
+* what a layer returns — a **pair** whose sum is the stream (``(mlp write, stream before the
+  MLP)``: Llama-like and Gemma 2/3 layers), the **stream** itself as one tensor (Granite,
+  GPT-2, GPT-J, Falcon and the layers vLLM runs through its Transformers backend), or a tuple
+  whose **first** element is the stream (StableLM: ``(stream, stream between the blocks)``;
+  Cohere: ``(stream, layer input)``) — never summed;
+* whether the final norm and the MLP pre-norm are vLLM's fused add-norm
+  (``norm(x, residual)``), which the lens calls the same way so that its last layer equals
+  the model's logits to the bit in bfloat16 too;
+* where the stream between attention and MLP is: the fused pre-norm's two inputs, the one
+  input of a plain pre-norm, the MLP's own input (OLMo 2's post-norm layers), or nowhere
+  (parallel attention and MLP: GPT-J, Pythia, Cohere, Falcon-7B);
+* for parallel blocks, the attention module whose output is the attention's write, and
+  whether that output is a per-rank partial sum at TP > 1 (Cohere and parallel Falcon reduce
+  attention and MLP together, after both);
+* whether the layers work on ``[1, tokens, d]`` (the Transformers backend) or ``[tokens, d]``.
+
+`family_of` maps a checkpoint's architecture (its config's ``architectures[0]``) to a
+family; an architecture missing from `ARCHITECTURES` is not one envoykit reads, and its
+analyses are refused with that said (plain traces still work). The same table drives
+``envoykit models`` and the architecture tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How the stream after a layer is read from its output.
+PAIR, STREAM, FIRST = "pair", "stream", "first"
+# Where the stream between attention and MLP is read.
+FUSED_PRENORM, PRENORM_INPUT, MLP_INPUT = "fused-prenorm", "prenorm-input", "mlp-input"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One readout convention; see the module docstring for each field's meaning."""
+
+    name: str
+    output: str
+    fused: bool
+    mid: str | None
+    prenorm: tuple[str, ...] = ()
+    attn: tuple[str, ...] = ()
+    attn_partial: bool = False
+    batched: bool = False
+
+    @property
+    def parallel(self) -> bool:
+        """Attention and MLP read the same input: no stream between them."""
+        return self.mid is None
+
+
+LLAMA = Family("llama", PAIR, True, FUSED_PRENORM, prenorm=("post_attention_layernorm",))
+GEMMA2 = Family("gemma2", PAIR, True, FUSED_PRENORM, prenorm=("pre_feedforward_layernorm",))
+SEQUENTIAL = Family(
+    "sequential", STREAM, False, PRENORM_INPUT, prenorm=("post_attention_layernorm", "ln_2")
+)
+PARALLEL = Family("parallel", STREAM, False, None, attn=("attn",))
+FALCON_PARALLEL = Family(
+    "falcon-parallel", STREAM, False, None, attn=("self_attention",), attn_partial=True
+)
+STABLELM = Family("stablelm", FIRST, False, PRENORM_INPUT, prenorm=("post_attention_layernorm",))
+COHERE = Family("cohere", FIRST, False, None, attn=("self_attn",), attn_partial=True)
+HF_SEQUENTIAL = Family(
+    "hf-sequential",
+    STREAM,
+    False,
+    PRENORM_INPUT,
+    prenorm=("post_attention_layernorm",),
+    batched=True,
+)
+HF_PARALLEL = Family("hf-parallel", STREAM, False, None, attn=("attention",), batched=True)
+HF_POST_NORM = Family("hf-post-norm", STREAM, False, MLP_INPUT, batched=True)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A model class envoykit reads: its family and what sets it apart, in words."""
+
+    name: str
+    family: Family
+    notes: str = ""
+    moe: bool = False
+
+
+def _architectures() -> dict[str, Architecture]:
+    rows = [
+        ("LlamaForCausalLM", LLAMA, ""),
+        ("MistralForCausalLM", LLAMA, "sliding-window attention"),
+        ("Qwen2ForCausalLM", LLAMA, "q/k/v biases"),
+        ("Qwen3ForCausalLM", LLAMA, "q/k norms"),
+        ("Phi3ForCausalLM", LLAMA, "fused qkv and gate_up in the checkpoint"),
+        ("GemmaForCausalLM", LLAMA, "embedding scaled by sqrt(d)"),
+        ("Gemma2ForCausalLM", GEMMA2, "sandwich norms, logit and attention soft-caps"),
+        ("Gemma3ForCausalLM", GEMMA2, "sandwich norms, q/k norms, sliding + full layers"),
+        ("GraniteForCausalLM", SEQUENTIAL, "embedding, residual and logit multipliers"),
+        ("GPT2LMHeadModel", SEQUENTIAL, "LayerNorm, learned positions"),
+        ("FalconForCausalLM", SEQUENTIAL, "LayerNorm; parallel blocks where its config says so"),
+        ("GPTJForCausalLM", PARALLEL, "parallel attention + MLP, LM-head bias"),
+        ("StableLmForCausalLM", STABLELM, "LayerNorm, partial rotary"),
+        ("CohereForCausalLM", COHERE, "parallel blocks, LayerNorm, logit scale"),
+        ("OlmoForCausalLM", HF_SEQUENTIAL, "Transformers backend, non-parametric LayerNorm"),
+        ("Olmo2ForCausalLM", HF_POST_NORM, "Transformers backend, post-norm blocks"),
+        ("GPTNeoXForCausalLM", HF_PARALLEL, "Transformers backend, parallel residual (or not)"),
+    ]
+    moe = [
+        ("MixtralForCausalLM", "mixture of experts"),
+        ("Qwen2MoeForCausalLM", "mixture of experts with a shared expert"),
+        ("Qwen3MoeForCausalLM", "mixture of experts"),
+        ("OlmoeForCausalLM", "mixture of experts, q/k norms"),
+        ("GptOssForCausalLM", "mixture of experts, attention sinks"),
+    ]
+    table = {name: Architecture(name, family, notes) for name, family, notes in rows}
+    table |= {name: Architecture(name, LLAMA, notes, moe=True) for name, notes in moe}
+    return table
+
+
+ARCHITECTURES = _architectures()
+
+# Architectures vLLM serves that envoykit refuses to read, and why: a reading that cannot be
+# trusted is not offered.
+REFUSED = {
+    "DeepseekV2ForCausalLM": (
+        "vLLM's DeepSeek-V2 (multi-head latent attention) and transformers' disagree on the "
+        "model's own logits (top-1 on 3 of 6 positions of a tiny checkpoint, in a plain vLLM "
+        "run without envoykit), so no readout of it can be checked against a reference"
+    ),
+    "DeepseekV3ForCausalLM": (
+        "vLLM's DeepSeek-V3 and transformers' disagree on the model's own logits (top-1 on 3 "
+        "of 6 positions of a tiny checkpoint, in a plain vLLM run without envoykit)"
+    ),
+}
+
+
+def sites_of(family: Family) -> tuple[str, ...]:
+    """The lens sites a family's layers have."""
+    if family.parallel:
+        return ("attn", "mlp", "resid")
+    return ("attn", "resid_mid", "mlp", "resid")
+
+
+def family_of(architecture: str, config: dict) -> Family | None:
+    """The family of a checkpoint's ``architecture``, given its ``config``; None when
+    envoykit does not read this architecture (see `ARCHITECTURES`)."""
+    known = ARCHITECTURES.get(architecture)
+    if known is None:
+        return None
+    if architecture == "GPTNeoXForCausalLM" and not config.get("use_parallel_residual", True):
+        return HF_SEQUENTIAL
+    if architecture == "FalconForCausalLM" and (
+        config.get("parallel_attn", True) or config.get("new_decoder_architecture")
+    ):
+        return FALCON_PARALLEL
+    return known.family

@@ -536,6 +536,24 @@ def test_bad_input_shows_an_error_and_stays_usable(explorer):
 
 
 @pytest.mark.engine
+def test_an_error_from_the_ranks_is_a_message_not_a_traceback(explorer, tiny2, monkeypatch):
+    """nnsight raises a rank's failure as a RuntimeError; the explorer shows it and stays
+    usable."""
+    good = explorer.run()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("ValueError: a failure on every rank")
+
+    monkeypatch.setattr(tiny2, "lens", failing)
+    assert explorer.run() is None
+    assert "a failure on every rank" in explorer.message.value
+    assert explorer.result is good and not explorer.run_button.disabled
+    monkeypatch.undo()
+    assert explorer.run() is not None
+    assert explorer.message.value == ""
+
+
+@pytest.mark.engine
 def test_targets_show_their_tokenization(explorer, tiny2):
     explorer.targets.value = " Paris, London"
     for piece in (" Paris", " London"):

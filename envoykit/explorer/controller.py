@@ -39,7 +39,7 @@ from envoykit.analyses.compare import compare
 from envoykit.analyses.patching import Patch
 from envoykit.analyses.request import Row, describe_target
 from envoykit.analyses.tuned import TunedLens
-from envoykit.errors import EnvoykitError, InvalidRequest
+from envoykit.errors import InvalidRequest
 from envoykit.explorer import export, rows
 from envoykit.explorer.attribution_panel import AttributionPanel
 from envoykit.explorer.compare_panel import (
@@ -48,10 +48,11 @@ from envoykit.explorer.compare_panel import (
     drop_patch,
     patched_cell,
 )
-from envoykit.explorer.outputs import ERROR, figure_output, message_html, text_output
+from envoykit.explorer.outputs import ENGINE_ERRORS, ERROR, figure_output, message_html, text_output
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
 from envoykit.explorer.sweep_panel import SweepPanel
 from envoykit.explorer.views import Heatmap, LayerPicker
+from envoykit.model.families import sites_of
 from envoykit.results.attribution import AttributionResult
 from envoykit.results.compare import CompareResult
 from envoykit.results.lens import LensResult
@@ -154,7 +155,8 @@ class LensExplorer(widgets.VBox):
             self.picker = LayerPicker(result_layers(source))
             self.picker.rows = zip(source.layers.tolist(), source.sites)
         else:
-            sublayers = source.readout.family is not None
+            family = source.readout.family
+            sublayers = () if family is None else sites_of(family)
             self.picker = LayerPicker(picker_layers(source.locations(), sublayers=sublayers))
         group = uuid.uuid4().hex  # drops from this explorer's second heatmap only
         self.heatmap = Heatmap(drag_role="target", drag_group=group)
@@ -342,7 +344,7 @@ class LensExplorer(widgets.VBox):
         try:
             try:
                 result = rows.keep(self.engine.lens(**request), picked)
-            except EnvoykitError as err:
+            except ENGINE_ERRORS as err:
                 return self._refused(str(err))
             other_request = _other_request(request, other)
             other_result = None
@@ -352,7 +354,7 @@ class LensExplorer(widgets.VBox):
                 else:
                     try:
                         other_result = rows.keep(self.engine.lens(**other_request), picked)
-                    except EnvoykitError as err:
+                    except ENGINE_ERRORS as err:
                         return self._refused(f"second prompt: {err}")
             self._request, self._rows, self._other = request, picked, other
             self._other_request = other_request
@@ -403,7 +405,7 @@ class LensExplorer(widgets.VBox):
                     targets=targets,
                 )
                 names, about = ("clean", "patched"), "the first prompt's run → its patched run"
-        except EnvoykitError as err:
+        except ENGINE_ERRORS as err:
             panel.say_diff(str(err), error=True)
             return
         panel.show_diff(res, names, about)
@@ -604,7 +606,7 @@ class LensExplorer(widgets.VBox):
             panel.busy(f"attributing at position {position}")
             try:
                 att = self.engine.attribute(prompt, [target], positions=[position])
-            except EnvoykitError as err:
+            except ENGINE_ERRORS as err:
                 panel.say(str(err), error=True)
                 return
         panel.show(att, target, layer=int(shown.layers[row]), row=shown.layer_labels[row])

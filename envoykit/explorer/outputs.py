@@ -15,6 +15,12 @@ import html
 import io
 from typing import Any
 
+from envoykit.errors import EnvoykitError
+
+# What the explorer shows as a message instead of a traceback: envoykit's own refusals, and
+# what nnsight raises for an error on the ranks (a RuntimeError naming the rank's error).
+ENGINE_ERRORS = (EnvoykitError, RuntimeError)
+
 
 def figure_output(figure: Any, text: str) -> dict[str, Any]:
     """``figure`` as a PNG; ``text`` is its plain-text stand-in."""

@@ -99,14 +99,17 @@ def compare_data(res: CompareResult, names: Sequence[str] = ("a", "b")) -> dict[
     }
 
 
-def picker_layers(locations: list[Any], *, sublayers: bool = True) -> list[dict[str, Any]]:
+def picker_layers(
+    locations: list[Any], *, sublayers: bool | Sequence[str] = True
+) -> list[dict[str, Any]]:
     """Picker items from an engine's whole-valued locations (`Engine.locations`).
 
     Layer 0 is the embedding, layer ``i`` the output of decoder layer ``i - 1`` (0-based).
-    With ``sublayers`` (the model's readout knows where its MLP pre-norm is, so the lens can
-    read inside a layer) each decoder layer also offers its sub-layer rows, titled with the
-    module whose output they read where there is one.
+    With ``sublayers`` (True for all sub-layer sites, or the sites the model's layers have:
+    parallel blocks have no stream between them) each decoder layer also offers its
+    sub-layer rows, titled with the module whose output they read where there is one.
     """
+    offered = SUBLAYER_SITES if sublayers is True else tuple(sublayers or ())
     layer_paths: dict[int, str] = {}
     block_paths: dict[tuple[int, str], str] = {}
     for loc in locations:
@@ -118,7 +121,7 @@ def picker_layers(locations: list[Any], *, sublayers: bool = True) -> list[dict[
             block_paths[(loc.layer + 1, loc.kind)] = loc.path
     items = []
     for n in sorted(layer_paths):
-        subs = SUBLAYER_SITES if n and sublayers else ()
+        subs = [site for site in SUBLAYER_SITES if site in offered] if n else ()
         item = _picker_item(n, layer_paths[n], resid=True)
         item["subs"] = [_picker_site(n, site, block_paths.get((n, site), "")) for site in subs]
         items.append(item)

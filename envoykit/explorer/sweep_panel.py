@@ -20,8 +20,7 @@ import ipywidgets as widgets
 import numpy as np
 
 from envoykit import plot
-from envoykit.errors import EnvoykitError
-from envoykit.explorer.outputs import figure_output, message_html
+from envoykit.explorer.outputs import ENGINE_ERRORS, figure_output, message_html
 from envoykit.results.sweep import SweepResult
 
 TITLE = "Patch sweep"
@@ -76,7 +75,7 @@ class SweepPanel(widgets.VBox):
                     part = engine.patch_sweep(
                         source, target, layers=[layer], target_token=target_token, progress=False
                     )
-                except EnvoykitError as err:
+                except ENGINE_ERRORS as err:
                     self.say(str(err), error=True)
                     return None
                 parts.append(part)

@@ -2,7 +2,7 @@
 
 nnsight already makes the value at a column- or row-parallel linear whole while a trace reads
 it, and an ad-hoc call on one take and return whole tensors (`ParallelEnvoy`, off the rules
-``VLLMFragments`` records). Four gaps remain on a tensor-parallel vLLM engine, and each gives a
+``VLLMFragments`` records). Three gaps remain on a tensor-parallel vLLM engine, and each gives a
 refusal or, worse, a silently wrong number:
 
 * **The unembedding.** vLLM's ``ParallelLMHead.forward`` raises on purpose (its weight is
@@ -33,13 +33,11 @@ CPU-specific: the CPU and GPU workers install the same rules.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
-from unittest import mock
 
 import torch
 from nnsight.intervention.envoy import Envoy
@@ -118,8 +116,7 @@ class EnvoykitVLLM(VLLM):
 
     def _load(self, repo_id: str, **kwargs: Any) -> torch.nn.Module:
         meta_model = super()._load(repo_id, **kwargs)
-        if self._split > 1:
-            self._envoys_map.update(dict.fromkeys(sharded_paths(meta_model), ShardedEnvoy))
+        guard_shards(self._envoys_map, meta_model, self._split)
         return meta_model
 
     def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
@@ -141,14 +138,25 @@ class EnvoykitVLLM(VLLM):
         can catch (``except ek.ShardedValue``), with the same message.
         """
         for output in outputs:
-            error = getattr(output, "nnsight_error", None) or {}
-            known = _RAISED_ON_RANKS.get(error.get("type_name"))
-            if known is not None:
-                raise known(error.get("message", ""))
+            raise_as_envoykit(getattr(output, "nnsight_error", None) or {})
         VLLM._collect(mediators, outputs)
 
 
 _RAISED_ON_RANKS = {cls.__name__: cls for cls in (InvalidRequest, ShardedValue)}
+
+
+def raise_as_envoykit(error: dict) -> None:
+    """Raise the error a rank reported (nnsight's ``{"type_name", "message"}``) as
+    envoykit's own class, if it is one of envoykit's refusals; else return."""
+    known = _RAISED_ON_RANKS.get(error.get("type_name"))
+    if known is not None:
+        raise known(error.get("message", ""))
+
+
+def guard_shards(envoys_map: dict, meta_model: torch.nn.Module, split: int) -> None:
+    """At TP > 1, map every location that holds one rank's piece to `ShardedEnvoy`."""
+    if split > 1:
+        envoys_map.update(dict.fromkeys(sharded_paths(meta_model), ShardedEnvoy))
 
 
 def _hf_config(repo_id: str) -> dict:
@@ -260,11 +268,17 @@ class ShardedEnvoy(Envoy):
     """A location that holds one rank's piece at TP>=2: reads and writes are refused."""
 
     def _refuse(self, side: str) -> None:
-        parent = self.parent
-        hints = []
-        if parent is not None:
-            column, row = _parallel_siblings(parent._module)
-            hints = [f"{parent.path}.{column}.output", f"{parent.path}.{row}.input"]
+        column, row = _parallel_siblings(self._module)
+        if row is not None:  # a block whose sum over the ranks happens after it
+            hints = [f"{self.path}.{row}.output"]
+        else:
+            parent = self.parent
+            column, row = (None, None) if parent is None else _parallel_siblings(parent._module)
+            hints = [
+                f"{parent.path}.{name}.{where}"
+                for name, where in ((column, "output"), (row, "input"))
+                if name is not None
+            ]
         raise ShardedValue(
             f"{self.path}.{side} holds one rank's piece of the tensor at this tensor-parallel "
             "size, and nothing gathers it. Read a whole-valued location nearby instead: "
@@ -316,6 +330,9 @@ def sharded_paths(model: torch.nn.Module) -> list[str]:
     A block with a column-parallel layer (output split by feature) and a row-parallel layer
     (input split by feature) computes on pieces between the two; its other children hold
     those pieces. Children that themselves contain parallel layers are blocks of their own.
+    A block whose row-parallel layer does not sum over the ranks (``reduce_results=False``:
+    Qwen2-MoE's shared expert, Cohere's attention and MLP, parallel Falcon's) returns one
+    rank's partial sum: the block's own output is a piece too.
     """
     from vllm.model_executor.layers.linear import LinearBase
 
@@ -324,6 +341,8 @@ def sharded_paths(model: torch.nn.Module) -> list[str]:
         column, row = _parallel_siblings(block)
         if column is None or row is None:
             continue
+        if block_name and not getattr(block.get_submodule(row), "reduce_results", True):
+            found.append(block_name)
         for name, child in block.named_children():
             if name in (column, row):
                 continue
@@ -404,16 +423,17 @@ class InstallFragments:
     """Model-runner mixin: give the rank's interleaver `CheckpointOrderFragments`.
 
     nnsight's runner builds its interleaver in ``load_model`` with ``VLLMFragments`` and
-    offers no argument for it, so the name is swapped for the length of that one call,
-    inside the rank process only.
+    offers no argument for it. The rules that records while the tree is built (which
+    locations are one rank's piece) are its whole state, so they move into a
+    `CheckpointOrderFragments`, which reads and writes them in checkpoint order.
     """
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        nnsight_runner = importlib.import_module(
-            "nnsight.modeling.vllm.model_runners.GPUModelRunner"
-        )
-        with mock.patch.object(nnsight_runner, "VLLMFragments", CheckpointOrderFragments):
-            super().load_model(*args, **kwargs)
+        super().load_model(*args, **kwargs)
+        interleaver = self.nnsight_model.interleaver
+        ordered = CheckpointOrderFragments()
+        ordered.__dict__.update(vars(interleaver.fragments))
+        interleaver.fragments = ordered
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ so what differs between architectures is written here once, as data:
 * where the stream between attention and MLP is: the fused pre-norm's two inputs, the one
   input of a plain pre-norm, the MLP's own input (OLMo 2's post-norm layers), or nowhere
   (parallel attention and MLP: GPT-J, Pythia, Cohere, Falcon-7B);
-* for parallel blocks, the attention module whose output is the attention's write, and
-  whether that output is a per-rank partial sum at TP > 1 (Cohere and parallel Falcon reduce
-  attention and MLP together, after both);
+* for parallel blocks, the module whose output is the attention's write: the attention
+  block, or its output projection where the block's own output is a per-rank partial sum at
+  TP > 1 (Cohere and parallel Falcon sum attention and MLP over the ranks only after both;
+  the projection's value is made whole like any row-parallel layer's);
 * whether the layers work on ``[1, tokens, d]`` (the Transformers backend) or ``[tokens, d]``.
 
 `family_of` maps a checkpoint's architecture (its config's ``architectures[0]``) to a
@@ -45,7 +46,6 @@ class Family:
     mid: str | None
     prenorm: tuple[str, ...] = ()
     attn: tuple[str, ...] = ()
-    attn_partial: bool = False
     batched: bool = False
 
     @property
@@ -60,11 +60,9 @@ SEQUENTIAL = Family(
     "sequential", STREAM, False, PRENORM_INPUT, prenorm=("post_attention_layernorm", "ln_2")
 )
 PARALLEL = Family("parallel", STREAM, False, None, attn=("attn",))
-FALCON_PARALLEL = Family(
-    "falcon-parallel", STREAM, False, None, attn=("self_attention",), attn_partial=True
-)
+FALCON_PARALLEL = Family("falcon-parallel", STREAM, False, None, attn=("self_attention.dense",))
 STABLELM = Family("stablelm", FIRST, False, PRENORM_INPUT, prenorm=("post_attention_layernorm",))
-COHERE = Family("cohere", FIRST, False, None, attn=("self_attn",), attn_partial=True)
+COHERE = Family("cohere", FIRST, False, None, attn=("self_attn.o_proj",))
 HF_SEQUENTIAL = Family(
     "hf-sequential",
     STREAM,

@@ -102,7 +102,7 @@ class Readout:
             if module is head
         )
         family = family_of(architecture, config)
-        inside = {name for name, _ in layers[0].named_children()}
+        inside = {name for name, _ in layers[0].named_modules() if name}
         prenorm = attn = None
         if family is not None:
             prenorm = next((name for name in family.prenorm if name in inside), None)
@@ -335,18 +335,13 @@ class _Walker:
         return module.inputs[0][0]
 
     def _attention_write(self, layer: Any) -> torch.Tensor:
-        """What the attention block adds to the stream: its output, whole (summed over the
-        ranks where the model sums attention and MLP only after both), with its bias."""
-        out = getattr(layer, self.readout.attn).output
-        value, bias = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+        """What the attention block adds to the stream: the output of the family's module
+        (whole at any TP), with the bias a projection built with ``skip_bias_add`` returns
+        beside it (Falcon's)."""
+        out = at(layer, self.readout.attn).output
+        value, extra = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
         value = _tokens(value).clone()
-        if self.family.attn_partial:
-            from vllm.distributed import tensor_model_parallel_all_reduce
-
-            value = tensor_model_parallel_all_reduce(value)
-            if isinstance(bias, torch.Tensor):
-                value = value + bias
-        return value
+        return value + extra if isinstance(extra, torch.Tensor) else value
 
     def _emit(self, number: int, available: dict[str, Row]) -> None:
         for site in ("attn", "resid_mid", "mlp", "resid"):

@@ -11,12 +11,9 @@ worker. This module is imported by the spawned rank processes through its dotted
 
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
-from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _set_torch_accelerator_to_noop
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -37,15 +34,16 @@ class NNsightCPUWorker(TranslatorStore, CPUWorker):
     def init_device(self) -> None:
         if self.vllm_config.model_config.enforce_eager:
             _compile_nothing()
-        # CPUWorker.init_device constructs its runner by the module-level name; pointing
-        # that name at our subclass for this one call builds the runner we want directly.
-        with mock.patch.object(cpu_worker, "CPUModelRunner", NNsightCPUModelRunner):
-            super().init_device()
-        if not isinstance(self.model_runner, NNsightCPUModelRunner):
+        super().init_device()
+        # CPUWorker.init_device ends by building its runner by a hard-coded class; the runner
+        # holds no weights yet (they load later, in load_model), so the runner that
+        # interleaves nnsight's interventions replaces it, built the same way.
+        if type(self.model_runner) is not CPUModelRunner:
             raise NotImplementedError(
                 f"vLLM built {type(self.model_runner).__name__}, which nnsight does not "
                 "instrument; unset VLLM_USE_V2_MODEL_RUNNER"
             )
+        self.model_runner = NNsightCPUModelRunner(self.vllm_config, torch.device("cpu"))
 
     collect_nnsight = NNsightGPUWorker.collect_nnsight
     nnsight_request_count = NNsightGPUWorker.nnsight_request_count

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+from vllm.v1.worker.gpu_worker import Worker
 
 from envoykit.model.envoys import InstallFragments
 from envoykit.ranks.translators import TranslatorStore
@@ -21,10 +22,17 @@ class EnvoykitGPUWorker(TranslatorStore, NNsightGPUWorker):
     (and envoykit's RPC that installs tuned-lens translators)."""
 
     def init_device(self) -> None:
-        # nnsight's worker already re-classes vLLM's runner to its own (it adds behaviour,
-        # no state); ours only adds `InstallFragments.load_model` on top.
-        super().init_device()
-        self.model_runner.__class__ = EnvoykitGPUModelRunner
+        # vLLM's own init_device builds the runner through `_make_model_runner` (below);
+        # nnsight's would re-class that runner in place to its own.
+        Worker.init_device(self)
+
+    def _make_model_runner(self) -> EnvoykitGPUModelRunner:
+        if self.use_v2_model_runner:
+            raise NotImplementedError(
+                "nnsight instruments vLLM's first GPU model runner: unset "
+                "VLLM_USE_V2_MODEL_RUNNER to trace"
+            )
+        return EnvoykitGPUModelRunner(self.vllm_config, self.device)
 
 
 def prepare_client() -> None:

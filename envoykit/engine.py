@@ -83,6 +83,7 @@ class Engine(EngineSurface):
         an analysis whose check fails; ``engine.info.validated`` says what passed.
         ``engine_kwargs`` go to ``vllm.LLM`` unchanged.
         """
+        platform.refuse_unguarded_script()
         if dtype not in DTYPES:
             raise InvalidRequest(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
         self._platform = platform.platform_name()
@@ -289,14 +290,6 @@ class Engine(EngineSurface):
             )
             self._translators.installed(translator.key, keep)
         return translator.key
-
-    def generate(self, prompt: str, max_tokens: int = 16) -> str:
-        """Greedy continuation of ``prompt`` (plain vLLM generation, no interventions)."""
-        return self._greedy(prompt, max_tokens).text
-
-    def generate_ids(self, prompt: str, max_tokens: int = 16) -> list[int]:
-        """Token ids of the greedy continuation of ``prompt``."""
-        return list(self._greedy(prompt, max_tokens).token_ids)
 
     def _greedy(self, prompt: str, max_tokens: int) -> Any:
         from vllm import SamplingParams

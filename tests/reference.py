@@ -145,12 +145,12 @@ def patched_final_logits(
     path: str, source: str, target: str, layer: int, source_pos: int, target_pos: int, site: str
 ) -> torch.Tensor:
     """Final-layer logits ``[positions, vocab]`` of ``target`` with the stream after decoder
-    layer ``layer`` (1-based; ``site`` "resid"), or that layer's MLP output (``site``
-    "mlp"), at ``target_pos`` replaced by ``source``'s at ``source_pos``: forward hooks on
-    plain transformers, float32."""
+    layer ``layer`` (1-based; ``site`` "resid"), or that layer's MLP or attention output
+    (``site`` "mlp", "attn"), at ``target_pos`` replaced by ``source``'s at ``source_pos``:
+    forward hooks on plain transformers, float32."""
     model, tokenizer = load(path)
     block = model.model.layers[layer - 1]
-    module = block if site == "resid" else block.mlp
+    module = {"resid": block, "mlp": block.mlp, "attn": block.self_attn}[site]
     captured: list[torch.Tensor] = []
 
     def first(output):

@@ -193,7 +193,7 @@ def test_lens_beyond_memory_is_chunked(demo3):
     res = demo3.lens(prompt, top_k=5)
     growth = max(peak_rss_since_reset(p) - resident[p.pid] for p in ranks)
     assert res.top_probs.shape == (info.n_layers, n_pos, 5)
-    assert np.all(res.kl[-1] == 0) and np.all(res.kl[:-1] >= 0)
+    assert np.isfinite(res.kl).all() and np.all(res.kl >= 0)
     assert growth < 4 * DEFAULT_MEMORY_BUDGET, (growth >> 20, unchunked >> 20)
 
 

@@ -31,7 +31,7 @@ class TestPatch:
     """A patched lens is the lens of the patched run."""
 
     @pytest.mark.parametrize("tp", [1, 2])
-    @pytest.mark.parametrize(("layer", "site"), [(2, "resid"), (1, "mlp")])
+    @pytest.mark.parametrize(("layer", "site"), [(2, "resid"), (1, "mlp"), (2, "attn")])
     def test_matches_transformers(self, tiny_engines, tp, layer, site):
         engine = tiny_engines[tp]
         patch = ek.Patch(SOURCE, layer, source_position=-2, target_position=-2, site=site)
@@ -61,11 +61,22 @@ class TestPatch:
         np.testing.assert_allclose(patched.top_probs[0, -1], source.top_probs[0, -1], atol=1e-6)
 
     def test_several_patches_and_the_embedding(self, tiny2):
-        both = [ek.Patch(SOURCE, "embed", 3, 3), ek.Patch(SOURCE, 1, 0, 0, site="attn")]
-        res = tiny2.lens(TARGET, layers=["embed", 1], patch=both)
-        source = tiny2.lens(SOURCE, layers=["embed"])
-        np.testing.assert_array_equal(res.top_ids[0, 3], source.top_ids[0, 3])
-        assert len(res.meta["patches"]) == 2
+        """Two patches in one run: the embedding at position 3 and layer 1's attention write
+        at position 4 (where the prompts' tokens differ); each takes effect."""
+        embed = ek.Patch(SOURCE, "embed", 3, 3)
+        attn = ek.Patch(SOURCE, 1, 4, 4, site="attn")
+        both = tiny2.lens(TARGET, layers=["embed", 1], sites=["attn", "resid"], patch=[embed, attn])
+        alone = tiny2.lens(TARGET, layers=["embed", 1], sites=["attn", "resid"], patch=embed)
+        source = tiny2.lens(SOURCE, layers=[1], sites=["attn"])
+        embedded = tiny2.lens(SOURCE, layers=["embed"])
+        np.testing.assert_array_equal(both.top_ids[0, 3], embedded.top_ids[0, 3])
+        # The attention row of layer 1 at position 4 is the source's write there ...
+        row = both.select(layers=[1], sites=["attn"])
+        np.testing.assert_allclose(row.top_probs[0, 4], source.top_probs[0, 4], atol=1e-6)
+        # ... which the run with the embedding patch alone does not have.
+        without = alone.select(layers=[1], sites=["attn"])
+        assert not np.allclose(without.top_probs[0, 4], source.top_probs[0, 4], atol=1e-4)
+        assert len(both.meta["patches"]) == 2
 
     def test_tp2_equals_tp1(self, tiny_engines):
         patch = ek.Patch(SOURCE, 3, -2, -1, site="resid_mid")

@@ -62,11 +62,39 @@ class TestSublayerSites:
         np.testing.assert_array_equal(again.top_probs, res.top_probs)
 
     def test_resid_mid_of_layer_plus_mlp_is_the_layer(self, tiny2):
-        """The last layer's ``resid`` row is its logits exactly, with sub-layer rows beside it."""
-        res = tiny2.lens(PROMPT, layers=[-1], sites=["resid_mid", "resid"])
-        plain = tiny2.lens(PROMPT, layers=[-1])
-        np.testing.assert_array_equal(res.select(sites=["resid"]).top_probs, plain.top_probs)
-        assert float(res.kl[-1].max()) == 0.0
+        """At every layer, the stream between the blocks plus the MLP's write is the stream
+        after the layer, and the stream before it plus the attention's write is the stream
+        between (read whole at TP=2, as every analysis reads them)."""
+        import nnsight
+
+        from envoykit.model.readout import at, walk
+
+        n, readout, model = tiny2.info.n_layers, tiny2.readout, tiny2.model
+        reads = {0: {"resid"}} | {k: {"attn", "resid_mid", "mlp", "resid"} for k in range(1, n + 1)}
+        with tiny2.trace(PROMPT):
+            rows = walk(readout, at(model, readout.layers), reads, {})
+            values = nnsight.save([(v if r is None else v + r).cpu() for v, r in rows])
+        before = values[0]
+        for k in range(n):
+            attn, mid, mlp, after = values[1 + 4 * k : 5 + 4 * k]
+            torch.testing.assert_close(mid + mlp, after, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(before + attn, mid, atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(mid, after)  # the MLP wrote something
+            before = after
+
+    def test_last_layer_beside_sublayer_rows_is_the_models_distribution(self, tiny2):
+        """The last layer's ``resid`` row, with sub-layer rows beside it, is the model's own
+        next-token distribution (its logits from the same engine, softmaxed here)."""
+        import nnsight
+
+        res = tiny2.lens(PROMPT, layers=[-1], sites=["resid_mid", "resid"], top_k=5)
+        with tiny2.trace(PROMPT):
+            logits = nnsight.save(tiny2.model.logits.cpu())
+        probs = torch.softmax(logits.double().reshape(-1, logits.shape[-1])[-1], -1).numpy()
+        last = res.select(sites=["resid"])
+        np.testing.assert_allclose(
+            last.top_probs[0, -1], probs[last.top_ids[0, -1]], atol=1e-6, rtol=0
+        )
 
     def test_unknown_site_is_refused_and_engine_answers(self, tiny2):
         with pytest.raises(ek.InvalidRequest, match="unknown site"):

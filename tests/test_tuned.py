@@ -121,3 +121,22 @@ def test_ranks_keep_at_most_two_tuned_lenses(tiny2, tuned):
     assert held == sorted(o.key for o in others)
     again = tiny2.lens(PROMPT, translator=tuned)
     np.testing.assert_array_equal(again.kl, first.kl)
+
+
+def test_training_reports_held_out_quality(tuned):
+    """Training holds texts out and reports the tuned lens against the logit lens there."""
+    assert tuned.quality is not None and tuned.quality.tokens > 0
+    assert (tuned.quality.tuned_kl < tuned.quality.logit_kl).sum() >= 3, tuned.quality
+
+
+def test_training_that_never_beats_the_logit_lens_says_so(tiny2, texts):
+    """With nothing learned (a zero learning rate) the kept translators are the logit lens
+    itself, and a warning says the tuned lens is not better at most layers."""
+    with pytest.warns(UserWarning, match="only 0 of 4 layers on held-out text"):
+        idle = ek.TunedLens.train(tiny2, texts[0], steps=5, lr=0.0, progress=False)
+    assert all(float(a.abs().max()) == 0.0 for a, _ in idle.weights.values())
+
+
+def test_evaluate_refuses_texts_too_short_to_measure(tiny2, tuned):
+    with pytest.raises(ek.InvalidRequest, match="at least 8 tokens"):
+        tuned.evaluate(tiny2, ["too short"])

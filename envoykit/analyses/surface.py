@@ -51,6 +51,18 @@ class EngineSurface:
         """Where this model's decoder layers, final norm and unembedding live."""
         return self.model.readout
 
+    def generate(self, prompt: str, max_tokens: int = 16) -> str:
+        """Greedy continuation of ``prompt`` (plain vLLM generation, no interventions)."""
+        return self._greedy(prompt, max_tokens).text
+
+    def generate_ids(self, prompt: str, max_tokens: int = 16) -> list[int]:
+        """Token ids of the greedy continuation of ``prompt``."""
+        return list(self._greedy(prompt, max_tokens).token_ids)
+
+    def _greedy(self, prompt: str, max_tokens: int) -> Any:
+        """vLLM's completion output of a greedy generation (in process, or on a server)."""
+        raise NotImplementedError
+
     def trace(self, *prompts: Any, **kwargs: Any) -> Any:
         """nnsight's trace on this engine; greedy and one new token unless told otherwise.
 

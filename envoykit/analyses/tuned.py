@@ -21,11 +21,13 @@ import json
 import math
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
@@ -38,6 +40,8 @@ from envoykit.results.tuned import LensQuality
 _FINGERPRINT_ROWS = 64
 _HEAD_CHUNK = 8192
 _SEQUENCE_TOKENS = 128
+# Optimizer steps between two measurements on the held-out texts.
+_VALIDATE_EVERY = 5
 _IDENTITY = ("name", "n_layers", "d_model", "vocab", "head_hash")
 
 
@@ -79,6 +83,8 @@ class TunedLens:
             layer: (a.detach().float(), b.detach().float()) for layer, (a, b) in weights.items()
         }
         self.model = dict(model)
+        # Set by `train`: how it did against the logit lens on the texts it held out.
+        self.quality: LensQuality | None = None
         # The weights and the model they belong to: the same numbers for another model are
         # other translators (and are checked against the engine again).
         identity = json.dumps({k: self.model.get(k) for k in _IDENTITY}, sort_keys=True)
@@ -98,15 +104,22 @@ class TunedLens:
         max_seconds: float | None = None,
         steps: int | None = None,
         lr: float = 1e-3,
+        weight_decay: float = 1e-3,
         batch_tokens: int = 256,
+        validation: float = 0.1,
         seed: int = 0,
         progress: bool = True,
     ) -> TunedLens:
-        """Train translators on ``texts`` against ``engine``.
+        """Train translators on ``texts`` against ``engine``, the way the tuned lens is
+        trained to be trusted: a ``validation`` share of the texts is held out, and the
+        translators kept are those best on it (measured every `_VALIDATE_EVERY` steps and at
+        the end), not those with the lowest training loss. ``weight_decay`` (AdamW) pulls
+        the translators towards zero, the logit lens, where the data do not say otherwise.
 
-        Stops after ``steps`` optimizer steps, or when ``max_seconds`` have passed (then with
-        the translators of the best step so far, by a running mean of the training loss), or
-        after one pass over the texts if neither is given. Deterministic given ``seed``.
+        Stops after ``steps`` optimizer steps, or when ``max_seconds`` have passed, or after
+        one pass over the texts if neither is given. Deterministic given ``seed``. The
+        result's ``quality`` is its `LensQuality` on the held-out texts; a warning says so
+        when it beats the logit lens at fewer than half of the layers.
         """
         from tqdm.auto import tqdm
 
@@ -115,37 +128,55 @@ class TunedLens:
                 raise InvalidRequest(f"{name} must be positive, not {value!r}")
         if batch_tokens < 1:
             raise InvalidRequest(f"batch_tokens must be at least 1, not {batch_tokens!r}")
-        batches = _batches(engine.tokenizer, texts, batch_tokens, seed)
+        if not 0 < validation < 1:
+            raise InvalidRequest(
+                f"validation is a share of the texts in (0, 1), not {validation!r}"
+            )
+        batches, held_out = _batches(engine.tokenizer, texts, batch_tokens, seed, validation)
         info = engine.info
         torch.manual_seed(seed)
         head = gather_head(engine)
+        checking = layer_streams(engine, held_out)
         n, d = info.n_layers, info.d_model
         weight = torch.zeros(n, d, d, requires_grad=True)
         bias = torch.zeros(n, d, requires_grad=True)
-        optimizer = torch.optim.Adam([weight, bias], lr=lr)
+        optimizer = torch.optim.AdamW([weight, bias], lr=lr, weight_decay=weight_decay)
         started = time.monotonic()
-        best = (math.inf, None)
-        running = None
+        # Zero translators (the logit lens) are the first candidate: training that never
+        # beats them on held-out text returns them.
+        best = _keep_best((math.inf, None), head, checking, weight, bias)
         total = steps or (None if max_seconds else len(batches))
-        bar = tqdm(total=total, desc="tuned lens", disable=not progress)
+        # The bar counts steps; with only a time budget, its total is the seconds allowed.
+        bar = tqdm(total=total or max_seconds, desc="tuned lens", disable=not progress)
         step = 0
         try:
+            # At least one step, however long the set-up took of a time budget.
             while (total is None or step < total) and not (
-                max_seconds and time.monotonic() - started >= max_seconds
+                max_seconds and step and time.monotonic() - started >= max_seconds
             ):
                 streams = layer_streams(engine, batches[step % len(batches)])
                 loss = _step(head, streams, weight, bias, optimizer)
-                running = loss if running is None else 0.9 * running + 0.1 * loss
-                if running < best[0]:
-                    best = (running, (weight.detach().clone(), bias.detach().clone()))
                 step += 1
-                bar.set_postfix(kl=f"{loss:.3f}")
-                bar.update()
+                if step % _VALIDATE_EVERY == 0:
+                    best = _keep_best(best, head, checking, weight, bias)
+                bar.set_postfix(kl=f"{loss:.3f}", held_out=f"{best[0]:.3f}")
+                bar.n = round(time.monotonic() - started) if total is None else step
+                bar.refresh()
         finally:
             bar.close()
-        final_weight, final_bias = best[1] if max_seconds and best[1] else (weight, bias)
+        best = _keep_best(best, head, checking, weight, bias)
+        final_weight, final_bias = best[1]
         weights = {layer: (final_weight[layer], final_bias[layer]) for layer in range(n)}
-        return cls(weights, {**fingerprint(engine), "steps": step, "seed": seed})
+        tuned = cls(weights, {**fingerprint(engine), "steps": step, "seed": seed})
+        tuned.quality = held_out_quality(head, checking, final_weight, final_bias)
+        if tuned.quality.better < 0.5:
+            warnings.warn(
+                f"the tuned lens is closer to the final distribution than the logit lens at "
+                f"only {round(tuned.quality.better * n)} of {n} layers on held-out text: "
+                "train it for longer or on more text (tuned.quality has the figures)",
+                stacklevel=2,
+            )
+        return tuned
 
     # -- evaluation -------------------------------------------------------------------------
 
@@ -153,7 +184,12 @@ class TunedLens:
         """Mean KL(final || layer) per layer, logit lens and tuned lens, on ``texts``, from
         the engine's own lens statistics."""
         logit, tuned, tokens = 0.0, 0.0, 0
-        for text, _ in _pieces(engine.tokenizer, texts):
+        pieces = _pieces(engine.tokenizer, texts)
+        if not pieces:
+            raise InvalidRequest(
+                "evaluate needs texts of at least 8 tokens: these give no piece to measure"
+            )
+        for text, _ in pieces:
             plain = engine.lens(text, layers=range(0, engine.info.n_layers))
             translated = engine.lens(text, layers=range(0, engine.info.n_layers), translator=self)
             logit = logit + plain.kl.sum(1)
@@ -315,15 +351,20 @@ def _pieces(tokenizer: Any, texts: Sequence[str]) -> list[tuple[str, int]]:
     return pieces
 
 
-def _batches(tokenizer: Any, texts: Sequence[str], batch_tokens: int, seed: int) -> list[list[str]]:
-    """`_pieces` shuffled with ``seed``, grouped into batches of about ``batch_tokens``."""
+def _batches(
+    tokenizer: Any, texts: Sequence[str], batch_tokens: int, seed: int, held_out: float
+) -> tuple[list[list[str]], list[str]]:
+    """`_pieces` shuffled with ``seed``: a ``held_out`` share of them (at least one) apart,
+    the rest grouped into training batches of about ``batch_tokens``."""
     pieces = _pieces(tokenizer, texts)
+    random.Random(seed).shuffle(pieces)
+    count = max(1, round(held_out * len(pieces)))
+    kept, pieces = [text for text, _ in pieces[:count]], pieces[count:]
     if sum(n for _, n in pieces) < batch_tokens:
         raise InvalidRequest(
             f"the texts hold {sum(n for _, n in pieces)} tokens, fewer than one batch "
             f"(batch_tokens={batch_tokens}): give more text or a smaller batch"
         )
-    random.Random(seed).shuffle(pieces)
     batches, current, count = [], [], 0
     for text, n in pieces:
         current.append(text)
@@ -331,7 +372,43 @@ def _batches(tokenizer: Any, texts: Sequence[str], batch_tokens: int, seed: int)
         if count >= batch_tokens:
             batches.append(current)
             current, count = [], 0
-    return batches
+    return batches, kept
+
+
+def _keep_best(
+    best: tuple[float, Any],
+    head: Head,
+    streams: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+) -> tuple[float, Any]:
+    """``best`` or the current translators, whichever is closer to the final distribution
+    on the held-out streams (mean KL over layers)."""
+    quality = held_out_quality(head, streams, weight, bias)
+    score = float(quality.tuned_kl.mean())
+    if score < best[0]:
+        return score, (weight.detach().clone(), bias.detach().clone())
+    return best
+
+
+@torch.no_grad()
+def held_out_quality(
+    head: Head, streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> LensQuality:
+    """`LensQuality` of translators on held-out ``streams`` ``[n_layers + 1, T, d]``: per
+    layer, the mean KL(final || lens) of the logit lens and of the tuned lens."""
+    final = head.log_probs(streams[-1])
+    final_probs = final.exp()
+    n = streams.shape[0] - 1
+
+    def kl(x: torch.Tensor) -> float:
+        return float((final_probs * (final - head.log_probs(x))).sum(-1).mean())
+
+    logit = [kl(streams[layer]) for layer in range(n)]
+    tuned = [
+        kl(streams[layer] + streams[layer] @ weight[layer].T + bias[layer]) for layer in range(n)
+    ]
+    return LensQuality(np.arange(n), np.array(logit), np.array(tuned), int(streams.shape[1]))
 
 
 def layer_streams(engine: Any, texts: Sequence[str]) -> torch.Tensor:

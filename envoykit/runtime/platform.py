@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 
+from envoykit.errors import InvalidRequest
 from envoykit.runtime import lifeline
 
 # Each core hosts at most 1.5 ranks on average: three ranks on two cores (the demo model's
@@ -139,3 +141,50 @@ def environment(values: dict[str, str], forced: dict[str, str]) -> Iterator[None
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def refuse_unguarded_script() -> None:
+    """Refuse an engine started by a script's top-level code outside an
+    ``if __name__ == "__main__":`` block, before any process starts.
+
+    The CPU platform starts the engine's processes with ``spawn`` (or from a fork server),
+    which runs the script again in each new process: the engine start there fails deep in
+    multiprocessing's bootstrap check, and vLLM then reports only "Engine core
+    initialization failed". A notebook, ``python -c`` or an imported module is not affected.
+    """
+    import inspect
+
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if script is None or getattr(main, "__name__", None) != "__main__":
+        return
+    frame = inspect.currentframe()
+    while frame is not None and not (
+        frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"
+    ):
+        frame = frame.f_back
+    if frame is None or _guarded(script, frame.f_lineno):
+        return
+    raise InvalidRequest(
+        f"{os.path.basename(script)} starts an engine in its top-level code (line "
+        f"{frame.f_lineno}): the engine's processes run the script again when they start. "
+        'Put the engine start under `if __name__ == "__main__":` (see the README, "From a '
+        'script")'
+    )
+
+
+def _guarded(script: str, line: int) -> bool:
+    """Whether ``line`` of ``script`` lies in an ``if __name__ == "__main__":`` block."""
+    import ast
+
+    try:
+        with open(script) as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError):
+        return True  # nothing to read: do not refuse on a guess
+    return any(
+        isinstance(node, ast.If)
+        and {"__name__", "__main__"} <= set(ast.unparse(node.test).replace("'", " ").split())
+        and node.lineno <= line <= node.end_lineno
+        for node in tree.body
+    )

@@ -123,10 +123,13 @@ def models_table() -> str:
         lines.append(
             f"{name:22} {arch.family.name:16} {sites:27} {tiny.get(name, '-'):17} {arch.notes}"
         )
-    lines.append("")
-    lines.append("Every architecture above: lens, sites, attribute, patch, patch_sweep, compare,")
-    lines.append("generate= and the tuned lens, at any TP size. Refused (plain traces still work):")
-    lines += [f"{name:22} {why}" for name, why in REFUSED.items()]
+    lines += [
+        "",
+        "Every architecture above: lens, sites, attribute, patch, patch_sweep, compare,",
+        "generate= and the tuned lens, at any TP size. Any other architecture starts with",
+        "every analysis refused; plain traces (engine.trace) still work.",
+    ]
+    lines += [f"refused: {name}: {why}" for name, why in REFUSED.items()]
     return "\n".join(lines)
 
 

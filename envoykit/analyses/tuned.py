@@ -354,11 +354,17 @@ def _pieces(tokenizer: Any, texts: Sequence[str]) -> list[tuple[str, int]]:
 def _batches(
     tokenizer: Any, texts: Sequence[str], batch_tokens: int, seed: int, held_out: float
 ) -> tuple[list[list[str]], list[str]]:
-    """`_pieces` shuffled with ``seed``: a ``held_out`` share of them (at least one) apart,
-    the rest grouped into training batches of about ``batch_tokens``."""
+    """`_pieces` shuffled with ``seed``: a ``held_out`` share of them (at least one, at most
+    two batches' tokens) apart, the rest grouped into training batches of about
+    ``batch_tokens``."""
     pieces = _pieces(tokenizer, texts)
     random.Random(seed).shuffle(pieces)
-    count = max(1, round(held_out * len(pieces)))
+    # A held-out share, but no more than two batches of tokens: it is measured every few
+    # steps, over the whole vocabulary at every layer.
+    count, tokens = 0, 0
+    while count < max(1, round(held_out * len(pieces))) and tokens < 2 * batch_tokens:
+        tokens += pieces[count][1]
+        count += 1
     kept, pieces = [text for text, _ in pieces[:count]], pieces[count:]
     if sum(n for _, n in pieces) < batch_tokens:
         raise InvalidRequest(
@@ -470,21 +476,13 @@ def gather_head(engine: Any) -> Head:
 def fingerprint(engine: Any) -> dict:
     """What identifies a model here: its name and shape, and a hash of `_FINGERPRINT_ROWS`
     rows of its unembedding rounded to bfloat16."""
-    with engine.exclusive():
-        _, rows = fingerprint_trace(engine.model, engine.readout, engine.info.vocab)
-    return fingerprint_of(engine.info, rows)
-
-
-def fingerprint_trace(model: Any, readout: Any, vocab: int) -> tuple[Any, Any]:
-    """The one trace a fingerprint reads: the tracer, and its saved unembedding rows (filled
-    when the trace ran; an engine in async mode reads them from ``tracer.backend``'s
-    finished output as ``saves["rows"]`` instead)."""
     import nnsight
 
-    ids = fingerprint_ids(vocab)
-    with model.trace("The", temperature=0.0, max_tokens=1) as tracer:
+    model, readout = engine.model, engine.readout
+    ids = fingerprint_ids(engine.info.vocab)
+    with engine.exclusive(), model.trace("The", temperature=0.0, max_tokens=1):
         rows = nnsight.save(at(model, readout.unembedding).rows(ids).float().cpu())
-    return tracer, rows
+    return fingerprint_of(engine.info, rows)
 
 
 def fingerprint_ids(vocab: int) -> torch.Tensor:

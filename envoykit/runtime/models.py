@@ -23,9 +23,9 @@ from pathlib import Path
 from envoykit.errors import InvalidRequest
 from envoykit.runtime.architectures import ARCHITECTURES
 from envoykit.runtime.architectures import build as build_architecture
+from envoykit.runtime.tokenizer import build_tokenizer
 
 CACHE_ENV = "ENVOYKIT_CACHE"
-_CORPUS = Path(__file__).parents[1] / "data" / "corpus.txt"
 
 
 def cache_dir() -> Path:
@@ -43,29 +43,6 @@ class ModelSource:
 
     name: str
     path: str
-
-
-def build_tokenizer(out: Path) -> int:
-    """Train the byte-level BPE (500 tokens, ``<s>`` = 0, ``</s>`` = 1) on the shipped corpus.
-
-    Saves it into ``out`` and returns its vocabulary size; every locally built model uses it.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train([str(_CORPUS)], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(out)
-    return tok.get_vocab_size()
 
 
 def _build_tiny(out: Path, *, tie: bool = False, softcap: float | None = None) -> None:

@@ -61,6 +61,10 @@ class ServedEngine(Engine):
     def __init__(self, model: str, tensor_parallel_size: int | None, **kwargs: Any) -> None:
         self._fingerprint: dict | None = None
         self._installing = asyncio.Lock()
+        # The self-check runs the analyses' synchronous traces, which an engine in async mode
+        # answers only on its event loop: a served engine is not self-checked at load (its
+        # info says so: nothing validated, nothing failed).
+        kwargs["validate"] = False
         super().__init__(model, tensor_parallel_size, mode="async", **kwargs)
 
     def _announce(self) -> None:
@@ -90,10 +94,21 @@ class ServedEngine(Engine):
         """`envoykit.analyses.tuned.fingerprint` of the served model, from one trace on the async
         engine (built before its first await, as the server builds every trace); kept, as
         the model is the same after a restart."""
-        from envoykit.analyses.tuned import fingerprint_of, fingerprint_trace
+        import nnsight
+
+        from envoykit.analyses.tuned import fingerprint_ids, fingerprint_of
+        from envoykit.model.readout import at
 
         if self._fingerprint is None:
-            tracer, _ = fingerprint_trace(self.model, self.readout, self.info.vocab)
+            # The same trace as `fingerprint`'s, written here: nnsight compiles a trace from
+            # the `with` block of the function that opens it, and an async engine's must be
+            # opened in the coroutine that awaits it.
+            ids = fingerprint_ids(self.info.vocab)
+            model, readout = self.model, self.readout
+            with model.trace("The", temperature=0.0, max_tokens=1) as tracer:
+                # Bound on the finished output only: an async trace's saves are not pushed
+                # back into this frame.
+                rows = nnsight.save(at(model, readout.unembedding).rows(ids).float().cpu())  # noqa: F841
             finished = await tracer.backend
             self._fingerprint = fingerprint_of(self.info, finished.saves["rows"])
         return self._fingerprint

@@ -8,9 +8,9 @@ so what differs between architectures is written here once, as data:
   GPT-2, GPT-J, Falcon and the layers vLLM runs through its Transformers backend), or a tuple
   whose **first** element is the stream (StableLM: ``(stream, stream between the blocks)``;
   Cohere: ``(stream, layer input)``) — never summed;
-* whether the final norm and the MLP pre-norm are vLLM's fused add-norm
-  (``norm(x, residual)``), which the lens calls the same way so that its last layer equals
-  the model's logits to the bit in bfloat16 too;
+* (a pair family's final norm and MLP pre-norm are vLLM's fused add-norm,
+  ``norm(x, residual)``, which the lens calls the same way so that its last layer equals the
+  model's logits to the bit in bfloat16 too; the others' norms take the stream alone);
 * where the stream between attention and MLP is: the fused pre-norm's two inputs, the one
   input of a plain pre-norm, the MLP's own input (OLMo 2's post-norm layers), or nowhere
   (parallel attention and MLP: GPT-J, Pythia, Cohere, Falcon-7B);
@@ -18,7 +18,8 @@ so what differs between architectures is written here once, as data:
   block, or its output projection where the block's own output is a per-rank partial sum at
   TP > 1 (Cohere and parallel Falcon sum attention and MLP over the ranks only after both;
   the projection's value is made whole like any row-parallel layer's);
-* whether the layers work on ``[1, tokens, d]`` (the Transformers backend) or ``[tokens, d]``.
+* (the ``hf-`` families' layers, run by vLLM's Transformers backend, hold ``[1, tokens, d]``
+  values, which the readout reads as ``[tokens, d]``).
 
 `family_of` maps a checkpoint's architecture (its config's ``architectures[0]``) to a
 family; an architecture missing from `ARCHITECTURES` is not one envoykit reads, and its
@@ -42,11 +43,9 @@ class Family:
 
     name: str
     output: str
-    fused: bool
     mid: str | None
     prenorm: tuple[str, ...] = ()
     attn: tuple[str, ...] = ()
-    batched: bool = False
 
     @property
     def parallel(self) -> bool:
@@ -54,25 +53,23 @@ class Family:
         return self.mid is None
 
 
-LLAMA = Family("llama", PAIR, True, FUSED_PRENORM, prenorm=("post_attention_layernorm",))
-GEMMA2 = Family("gemma2", PAIR, True, FUSED_PRENORM, prenorm=("pre_feedforward_layernorm",))
+LLAMA = Family("llama", PAIR, FUSED_PRENORM, prenorm=("post_attention_layernorm",))
+GEMMA2 = Family("gemma2", PAIR, FUSED_PRENORM, prenorm=("pre_feedforward_layernorm",))
 SEQUENTIAL = Family(
-    "sequential", STREAM, False, PRENORM_INPUT, prenorm=("post_attention_layernorm", "ln_2")
+    "sequential", STREAM, PRENORM_INPUT, prenorm=("post_attention_layernorm", "ln_2")
 )
-PARALLEL = Family("parallel", STREAM, False, None, attn=("attn",))
-FALCON_PARALLEL = Family("falcon-parallel", STREAM, False, None, attn=("self_attention.dense",))
-STABLELM = Family("stablelm", FIRST, False, PRENORM_INPUT, prenorm=("post_attention_layernorm",))
-COHERE = Family("cohere", FIRST, False, None, attn=("self_attn.o_proj",))
+PARALLEL = Family("parallel", STREAM, None, attn=("attn",))
+FALCON_PARALLEL = Family("falcon-parallel", STREAM, None, attn=("self_attention.dense",))
+STABLELM = Family("stablelm", FIRST, PRENORM_INPUT, prenorm=("post_attention_layernorm",))
+COHERE = Family("cohere", FIRST, None, attn=("self_attn.o_proj",))
 HF_SEQUENTIAL = Family(
     "hf-sequential",
     STREAM,
-    False,
     PRENORM_INPUT,
     prenorm=("post_attention_layernorm",),
-    batched=True,
 )
-HF_PARALLEL = Family("hf-parallel", STREAM, False, None, attn=("attention",), batched=True)
-HF_POST_NORM = Family("hf-post-norm", STREAM, False, MLP_INPUT, batched=True)
+HF_PARALLEL = Family("hf-parallel", STREAM, None, attn=("attention",))
+HF_POST_NORM = Family("hf-post-norm", STREAM, MLP_INPUT)
 
 
 @dataclass(frozen=True)

@@ -145,10 +145,16 @@ def _writes(run: Run, ids: list[int]) -> list[Write]:
         return source_writes(engine.model, engine.readout, plan)
 
 
-def _stream_rows(model: Any, readout: Any, layers: Sequence[int], writes: list[Write]) -> list:
-    """Inside a trace: the residual stream after each of ``layers``, with ``writes`` made."""
+def _normed_rows(
+    model: Any, readout: Any, layers: Sequence[int], writes: list[Write], picked: torch.Tensor
+) -> torch.Tensor:
+    """Inside a trace: ``[layers, positions, d_model]``, the residual stream after each of
+    ``layers`` (with ``writes`` made) through the final norm, at the ``picked`` positions."""
     reads = {layer: {"resid"} for layer in layers}
-    return walk(readout, at(model, readout.layers), reads, writes_by_layer(writes))
+    streams = walk(readout, at(model, readout.layers), reads, writes_by_layer(writes))
+    norm = at(model, readout.final_norm)
+    normed = [normalize(norm, value, residual) for value, residual in streams]
+    return torch.stack([row[picked.to(row.device)] for row in normed])
 
 
 def normed_rows(
@@ -161,12 +167,7 @@ def normed_rows(
     model, readout = engine.model, engine.readout
     picked = torch.tensor(list(positions))
     with model.trace(prompt, temperature=0.0, max_tokens=1):
-        norm = at(model, readout.final_norm)
-        streams = _stream_rows(model, readout, layers, writes)
-        normed = [normalize(norm, value, residual) for value, residual in streams]
-        rows = nnsight.save(
-            torch.stack([row[picked.to(row.device)] for row in normed]).float().cpu()
-        )
+        rows = nnsight.save(_normed_rows(model, readout, layers, writes, picked).float().cpu())
     return rows
 
 
@@ -187,11 +188,8 @@ def compared_rows(
     picked = torch.tensor(list(positions))
     target_ids = [t.token_id for t in targets]
     with model.trace(prompt, temperature=0.0, max_tokens=1):
-        norm = at(model, readout.final_norm)
         head = at(model, readout.unembedding)
-        streams = _stream_rows(model, readout, layers, writes)
-        normed = [normalize(norm, value, residual) for value, residual in streams]
-        rows_b = torch.stack([row[picked.to(row.device)] for row in normed])
+        rows_b = _normed_rows(model, readout, layers, writes, picked)
         stats = divergence_statistics(
             head.vocab_shard(), rows_a.to(rows_b), rows_b, target_ids, budget
         )

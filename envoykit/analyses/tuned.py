@@ -144,7 +144,7 @@ class TunedLens:
         started = time.monotonic()
         # Zero translators (the logit lens) are the first candidate: training that never
         # beats them on held-out text returns them.
-        best = _keep_best((math.inf, None), head, checking, weight, bias)
+        best = _keep_best((math.inf, None, None), head, checking, weight, bias)
         total = steps or (None if max_seconds else len(batches))
         # The bar counts steps; with only a time budget, its total is the seconds allowed.
         bar = tqdm(total=total or max_seconds, desc="tuned lens", disable=not progress)
@@ -165,10 +165,10 @@ class TunedLens:
         finally:
             bar.close()
         best = _keep_best(best, head, checking, weight, bias)
-        final_weight, final_bias = best[1]
+        _, (final_weight, final_bias), quality = best
         weights = {layer: (final_weight[layer], final_bias[layer]) for layer in range(n)}
         tuned = cls(weights, {**fingerprint(engine), "steps": step, "seed": seed})
-        tuned.quality = held_out_quality(head, checking, final_weight, final_bias)
+        tuned.quality = quality
         if tuned.quality.better < 0.5:
             warnings.warn(
                 f"the tuned lens is closer to the final distribution than the logit lens at "
@@ -382,18 +382,18 @@ def _batches(
 
 
 def _keep_best(
-    best: tuple[float, Any],
+    best: tuple[float, Any, LensQuality | None],
     head: Head,
     streams: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
-) -> tuple[float, Any]:
+) -> tuple[float, Any, LensQuality | None]:
     """``best`` or the current translators, whichever is closer to the final distribution
-    on the held-out streams (mean KL over layers)."""
+    on the held-out streams (mean KL over layers): ``(score, (A, b), their LensQuality)``."""
     quality = held_out_quality(head, streams, weight, bias)
     score = float(quality.tuned_kl.mean())
     if score < best[0]:
-        return score, (weight.detach().clone(), bias.detach().clone())
+        return score, (weight.detach().clone(), bias.detach().clone()), quality
     return best
 
 

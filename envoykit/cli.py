@@ -12,11 +12,43 @@ import gc
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, passed_on = parser.parse_known_args(argv)
+    if passed_on and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
+    if args.command == "models":
+        print(models_table())
+        return 0
+    if args.command == "lab":
+        return _lab(args)
+    if args.command == "serve":
+        return _serve(args, passed_on)
+    from envoykit import EnvoykitError
+
+    try:
+        with _engine(args) as engine:
+            if args.command == "info":
+                _print_info(engine, args.prompt)
+            elif args.command == "tune":
+                _tune(engine, args)
+            elif args.command == "attribute":
+                _print_attribution(engine, args)
+            else:
+                _print_lens(engine, args)
+    except EnvoykitError as error:
+        print(f"envoykit: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every command and its options; `serve` passes the options it does not know to vLLM."""
     parser = argparse.ArgumentParser(prog="envoykit", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -54,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     attribute.add_argument("--out", type=Path, default=Path("attribution.png"))
     attribute.add_argument("--json", type=Path, help="also write the AttributionResult")
 
+    _serve_options(commands)
+    lab = commands.add_parser("lab", help="JupyterLab on notebooks/, bound to 127.0.0.1")
+    lab.add_argument("--port", type=int, default=8888)
+    lab.add_argument("--dir", type=Path, default=Path("notebooks"))
+    return parser
+
+
+def _serve_options(commands: Any) -> None:
     serve = commands.add_parser(
         "serve",
         help="serve an engine to notebooks (ek.connect()); vLLM options pass through",
@@ -76,37 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--token-file", type=Path, help="use this token (file of mode 600)")
     serve.add_argument("--restart", action="store_true", help="restart an engine that dies")
     serve.add_argument("--log-level", default="ERROR", help="vLLM's screen log level")
-
-    lab = commands.add_parser("lab", help="JupyterLab on notebooks/, bound to 127.0.0.1")
-    lab.add_argument("--port", type=int, default=8888)
-    lab.add_argument("--dir", type=Path, default=Path("notebooks"))
-
-    args, passed_on = parser.parse_known_args(argv)
-    if passed_on and args.command != "serve":
-        parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
-    if args.command == "models":
-        print(models_table())
-        return 0
-    if args.command == "lab":
-        return _lab(args)
-    if args.command == "serve":
-        return _serve(args, passed_on)
-    from envoykit import EnvoykitError
-
-    try:
-        with _engine(args) as engine:
-            if args.command == "info":
-                _print_info(engine, args.prompt)
-            elif args.command == "tune":
-                _tune(engine, args)
-            elif args.command == "attribute":
-                _print_attribution(engine, args)
-            else:
-                _print_lens(engine, args)
-    except EnvoykitError as error:
-        print(f"envoykit: {error}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def models_table() -> str:

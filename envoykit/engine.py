@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from envoykit.analyses import selfcheck
 from envoykit.analyses.surface import EngineSurface
@@ -48,15 +48,12 @@ _DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 _DEFAULT_MAX_MODEL_LEN = 1024
 
 
-class Engine(EngineSurface):
-    """A tensor-parallel vLLM engine whose modules are nnsight envoys.
+class EngineLifetime:
+    """The processes of a tensor-parallel vLLM engine under nnsight, from start to close.
 
-    >>> import envoykit as ek
-    >>> with ek.Engine("tiny", tensor_parallel_size=2) as engine:  # doctest: +SKIP
-    ...     engine.info.tp, engine.info.n_layers
-    (2, 4)
-
-    (Not run as a doctest: a start costs tens of seconds, and the tests start this engine.)
+    What `Engine` (synchronous, for notebooks and scripts) and the server's engine (vLLM's
+    async mode, `envoykit.serve.server.ServedEngine`) share; it offers no analyses, whose
+    traces need the synchronous engine.
     """
 
     def __init__(
@@ -68,7 +65,6 @@ class Engine(EngineSurface):
         max_model_len: int | None = None,
         log_level: str = "ERROR",
         progress: bool = True,
-        validate: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine; every check that can fail runs before a rank starts.
@@ -78,9 +74,6 @@ class Engine(EngineSurface):
         ``log_level`` is what vLLM may print on screen (everything from INFO up goes to
         ``engine.log_file``); its warnings on this backend are notes about the set-up
         (eager mode, no Triton, no tcmalloc), about twenty per start, hence ERROR.
-        ``validate``: run the self-check at load (`envoykit.analyses.selfcheck`, about a
-        second on demo), which confirms the readout on the model's real weights and disables
-        an analysis whose check fails; ``engine.info.validated`` says what passed.
         ``engine_kwargs`` go to ``vllm.LLM`` unchanged.
         """
         platform.refuse_unguarded_script()
@@ -100,7 +93,6 @@ class Engine(EngineSurface):
             )
         self._log_level = log_level
         self._progress = progress
-        self._validate = validate
         self._checks: dict[str, str | None] = {}
         self._engine_kwargs = engine_kwargs
         self._lock = threading.RLock()
@@ -153,13 +145,7 @@ class Engine(EngineSurface):
         segments = sorted(os.path.join(_SHM, name) for name in made)
         watcher.watch([p.pid for p in self._processes], segments)
         self._finalizer = weakref.finalize(self, _shutdown, llm, processes, watcher, scratch)
-        # Everything the engine runs, nnsight traces included, goes through one guard. Held
-        # weakly: the engine must stay collectable (its finalizer closes the ranks).
-        guard = weakref.WeakMethod(self.exclusive)
-        llm.request_guard = lambda: (guard() or contextlib.nullcontext)()
-        if self._validate:
-            steps.set_description(f"{self._source.name}: self-check")
-            self._checks = selfcheck.run(self)
+        self._ready(llm, steps)
         steps.set_description(f"{self._source.name}: ready")
         steps.update()
         steps.close()
@@ -167,25 +153,12 @@ class Engine(EngineSurface):
         if self._progress:
             self._announce()
 
-    def _announce(self) -> None:
-        """The one line a start prints under its progress bar (a server prints its own)."""
-        print(
-            f"envoykit: {self._source.name} on {self._tp} {self._platform} rank(s), "
-            f"{self._dtype}, ready in {self.load_seconds:.1f} s{self._check_note()}; "
-            f"vLLM log: {self.log_file}"
-        )
+    def _ready(self, llm: Any, steps: Any) -> None:
+        """What a subclass does once the engine is up, before the start is announced."""
 
-    def _check_note(self) -> str:
-        """What the self-check at load found, in a few words for the start line."""
-        if self.readout.family is None:
-            return (
-                f"; {self.readout.architecture} has no readout contract: analyses are refused, "
-                "plain traces work"
-            )
-        failed = [name for name, why in self._checks.items() if why is not None]
-        if failed:
-            return f"; self-check failed {', '.join(failed)} (engine.info.failed says why)"
-        return "; self-check passed" if self._checks else ""
+    def _announce(self) -> None:
+        """The line a start prints under its progress bar: none here (a server prints its
+        own, with its URL)."""
 
     def _spawn(self, workers: Any, env: dict[str, str], scratch: str, steps: Any) -> Any:
         """vLLM's engine under nnsight, its processes started with ``env`` and ``scratch``."""
@@ -229,7 +202,7 @@ class Engine(EngineSurface):
             self.close()
             self._start()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -272,6 +245,71 @@ class Engine(EngineSurface):
             validated=tuple(name for name, why in self._checks.items() if why is None),
             failed=tuple((name, why) for name, why in self._checks.items() if why is not None),
         )
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"tp={self._tp}, {self._platform}, {self._dtype}"
+        return f"{type(self).__name__}({self._source.name!r}, {state})"
+
+
+class Engine(EngineLifetime, EngineSurface):
+    """A tensor-parallel vLLM engine whose modules are nnsight envoys.
+
+    >>> import envoykit as ek
+    >>> with ek.Engine("tiny", tensor_parallel_size=2) as engine:  # doctest: +SKIP
+    ...     engine.info.tp, engine.info.n_layers
+    (2, 4)
+
+    (Not run as a doctest: a start costs tens of seconds, and the tests start this engine.)
+    """
+
+    def __init__(
+        self,
+        model: str = "demo",
+        tensor_parallel_size: int | None = None,
+        *,
+        validate: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """Start the engine (`EngineLifetime`, whose options ``kwargs`` are: ``dtype``,
+        ``max_model_len``, ``log_level``, ``progress``, and vLLM's own).
+
+        ``validate``: run the self-check at load (`envoykit.analyses.selfcheck`, about a
+        second on demo), which confirms the readout on the model's real weights and disables
+        an analysis whose check fails; ``engine.info.validated`` says what passed.
+        """
+        self._validate = validate
+        super().__init__(model, tensor_parallel_size, **kwargs)
+
+    def _ready(self, llm: Any, steps: Any) -> None:
+        # Everything the engine runs, nnsight traces included, goes through one guard. Held
+        # weakly: the engine must stay collectable (its finalizer closes the ranks).
+        guard = weakref.WeakMethod(self.exclusive)
+        llm.request_guard = lambda: (guard() or contextlib.nullcontext)()
+        if self._validate:
+            steps.set_description(f"{self._source.name}: self-check")
+            self._checks = selfcheck.run(self)
+
+    def _announce(self) -> None:
+        """The one line a start prints under its progress bar (a server prints its own)."""
+        print(
+            f"envoykit: {self._source.name} on {self._tp} {self._platform} rank(s), "
+            f"{self._dtype}, ready in {self.load_seconds:.1f} s{self._check_note()}; "
+            f"vLLM log: {self.log_file}"
+        )
+
+    def _check_note(self) -> str:
+        """What the self-check at load found, in a few words for the start line."""
+        if self.readout.family is None:
+            return (
+                f"; {self.readout.architecture} has no readout contract: analyses are refused, "
+                "plain traces work"
+            )
+        failed = [name for name, why in self._checks.items() if why is not None]
+        if failed:
+            return f"; self-check failed {', '.join(failed)} (engine.info.failed says why)"
+        return "; self-check passed" if self._checks else ""
+
+    # -- requests -------------------------------------------------------------------------
 
     def _install_translator(self, translator: TunedLens) -> str:
         """Check ``translator`` belongs to this model and send it to every rank, once while
@@ -329,10 +367,6 @@ class Engine(EngineSurface):
         # Trace code that names the engine (``engine.model.lm_head(...)``) is shipped to the
         # ranks; there the engine is its envoy tree, which nnsight maps to the rank's own.
         return (_OnRank, (self.model,))
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else f"tp={self._tp}, {self._platform}, {self._dtype}"
-        return f"Engine({self._source.name!r}, {state})"
 
 
 class _OnRank:

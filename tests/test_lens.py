@@ -151,7 +151,7 @@ class TestRequestShapes:
 
         info = tiny2.info
         req = request.build_request(tiny2.tokenizer, info.n_layers, info.vocab, 256, PROMPT)
-        args = (tiny2.model, tiny2.readout, req, tiny2._result_meta())
+        args = (tiny2.model, tiny2.readout, req, tiny2._result_meta(), tiny2.exclusive)
         whole = lens.run(*args)[0]
         one_layer_per_call = lens.run(*args, budget=1)[0]
         np.testing.assert_array_equal(whole.top_ids, one_layer_per_call.top_ids)

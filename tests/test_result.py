@@ -356,6 +356,23 @@ class TestTransforms:
         with pytest.raises(KeyError, match="not a target"):
             res.target(" q")
 
+    def test_top_k_trace_reads_the_lists_and_leaves_gaps(self, res):
+        # token 4 is second at the last column of every row; token 1 is only at column 0
+        token, probs = res.top_k_trace(4)
+        np.testing.assert_array_equal(probs, res.top_probs[:, -1, 1])
+        assert token == "w"
+        assert np.isnan(res.top_k_trace(1)[1]).all()
+        np.testing.assert_array_equal(res.top_k_trace(1, position=0)[1], res.top_probs[:, 0, 0])
+
+    def test_trajectory_draws_targets_and_top_k_tokens(self, res):
+        from matplotlib.figure import Figure
+
+        ax = Figure().subplots()
+        ek.plot.trajectory(res, [" z"], from_top_k=[4], ax=ax)
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert labels == ["p(' z')", "p('w') where in top-k"]
+        np.testing.assert_array_equal(ax.get_lines()[1].get_ydata(), res.top_probs[:, -1, 1])
+
 
 class TestExport:
     def test_json_round_trip_is_exact(self, tmp_path):

@@ -18,6 +18,10 @@
 // the page's theme (JupyterLab's --jp-* variables through explorer.css's --ek-* ones, with
 // fallbacks for the standalone page). Tokens are arbitrary text: they reach the page only
 // through textContent, dataset and the canvas, never as HTML.
+//
+// One `View` object holds a heatmap's elements and what the pointer is doing; every function
+// below takes it, and `render` only builds one and wires the events to those functions.
+// `element` comes from dom.js, which the kernel puts in front of this source.
 
 /**
  * One metric over layers x positions and how to colour it (envoykit.metrics.Metric.scale).
@@ -120,14 +124,6 @@ function fit(ctx, text, width) {
   return cut + "…";
 }
 
-/** A new element with a class and, optionally, its text (as text, never as HTML). */
-function element(tag, className = "", text = null) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== null) node.textContent = text;
-  return node;
-}
-
 /** @param {Grid} g */
 function title(g) {
   return g.units ? `${g.label} (${g.units})` : g.label;
@@ -173,7 +169,26 @@ function tooltipNodes(d, g, l, p, sticky, pinned) {
   return [element("div", "ek-tip-head", head), table, element("div", "ek-tip-foot", hint)];
 }
 
-function render({ model, el }) {
+/**
+ * One heatmap's elements and pointer state.
+ * @typedef {object} View
+ * @property {object} model            the anywidget model (or the standalone page's stand-in)
+ * @property {HTMLElement} root
+ * @property {HTMLElement} legend
+ * @property {HTMLElement} scroller
+ * @property {HTMLElement} spacer
+ * @property {HTMLCanvasElement} canvas
+ * @property {HTMLElement} tip
+ * @property {boolean} sticky   the tooltip stays on the selected cell so its tokens can be clicked
+ * @property {object|null} drag a press on this heatmap's cell: {cell, x, y, id, ghost, over}
+ * @property {boolean} dragged  a drag just ended here: the click that follows selects nothing
+ * @property {{l: number, p: number}|null} landing  where a cell dragged over this heatmap
+ *                              would land (l -1: its row is not shown here)
+ * @property {(event: KeyboardEvent) => void} onKey  Escape closes the tooltip
+ */
+
+/** @returns {View} the elements of one heatmap, appended to `el`. */
+function createView(model, el) {
   const root = element("div", "ek-heatmap");
   const legend = element("div", "ek-legend");
   const scroller = element("div", "ek-scroller");
@@ -185,203 +200,243 @@ function render({ model, el }) {
   scroller.append(spacer);
   root.append(legend, scroller, tip);
   el.append(root);
-
-  let sticky = false; // the tooltip stays on the selected cell so its tokens can be clicked
-  let drag = null; // a press on this heatmap's cell: {cell, x, y, id, ghost, over}
-  let dragged = false; // a drag just ended here: the click that follows selects nothing
-  let landing = null; // {l, p}: where a cell dragged over this heatmap would land (l -1: none)
-
-  /** @returns {Payload} */
-  const data = () => model.get("data") || {};
-  const dims = () => {
-    const d = data();
-    return [(d.layer_labels || []).length, (d.tokens || []).length];
-  };
-  /** @returns {Grid | undefined} */
-  const grid = () => {
-    const d = data();
-    return (d.grids || {})[model.get("metric")] || (d.grids || {}).prob;
-  };
-
-  function layout() {
-    const [nL, nP] = dims();
-    const width = LEFT + nP * CELL_W;
-    const height = nL * CELL_H + BOTTOM;
-    spacer.style.width = `${width}px`;
-    spacer.style.height = `${height}px`;
-    scroller.style.height = `${Math.min(height, MAX_HEIGHT) + 16}px`;
-    redraw();
-  }
-
-  // The legend and the canvas, after the data or the metric changed (a scroll or a theme
-  // switch repaints the canvas alone).
-  function redraw() {
-    const g = grid();
-    legend.replaceChildren(...(g ? legendNodes(g) : []));
-    draw();
-  }
-
-  // Cell (layer index, position index) -> its top-left corner in spacer coordinates.
-  const cellX = (p) => LEFT + p * CELL_W;
-  const cellY = (l) => (dims()[0] - 1 - l) * CELL_H;
-
-  function cellAt(x, y) {
-    const [nL, nP] = dims();
-    const p = Math.floor((x - LEFT) / CELL_W);
-    const l = nL - 1 - Math.floor(y / CELL_H);
-    if (x < LEFT || p < 0 || p >= nP || l < 0 || l >= nL || y >= nL * CELL_H) return null;
-    return [l, p];
-  }
-
-  function draw() {
-    const [nL, nP] = dims();
-    const g = grid();
-    const colours = theme(root);
-    const viewW = Math.max(1, Math.min(scroller.clientWidth || 600, LEFT + nP * CELL_W));
-    const viewH = Math.max(1, Math.min(scroller.clientHeight || 300, nL * CELL_H + BOTTOM));
-    const ratio = window.devicePixelRatio || 1;
-    const sx = scroller.scrollLeft;
-    const sy = scroller.scrollTop;
-    canvas.width = Math.round(viewW * ratio);
-    canvas.height = Math.round(viewH * ratio);
-    canvas.style.width = `${viewW}px`;
-    canvas.style.height = `${viewH}px`;
-    canvas.style.left = `${sx}px`;
-    canvas.style.top = `${sy}px`;
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-    ctx.fillStyle = colours.bg;
-    ctx.fillRect(0, 0, viewW, viewH);
-    if (!g || !nL || !nP) return;
-
-    const d = data();
-    const stops = g.stops.map(hexToRgb);
-    const span = g.vmax - g.vmin || 1;
-    const p0 = Math.max(0, Math.floor((sx - LEFT) / CELL_W));
-    const p1 = Math.min(nP - 1, Math.floor((sx + viewW) / CELL_W));
-    const r0 = Math.max(0, Math.floor(sy / CELL_H));
-    const r1 = Math.min(nL - 1, Math.floor((sy + viewH) / CELL_H));
-    ctx.font = "10px sans-serif";
-    ctx.textAlign = "center";
-    ctx.textBaseline = "middle";
-    let drawn = 0;
-    for (let r = r0; r <= r1; r++) {
-      const l = nL - 1 - r;
-      for (let p = p0; p <= p1; p++) {
-        const v = g.values[l][p];
-        const rgb = v === null ? null : colourAt(stops, (v - g.vmin) / span);
-        const x = cellX(p) - sx;
-        const y = cellY(l) - sy;
-        ctx.fillStyle = rgb ? `rgb(${rgb.join(",")})` : colours.nan;
-        ctx.fillRect(x, y, CELL_W - 1, CELL_H - 1);
-        ctx.fillStyle = rgb ? textColour(rgb) : colours.fg;
-        const text = d.cell_text ? d.cell_text[l][p] : d.vocab[d.top_ids[l][p][0]];
-        ctx.fillText(fit(ctx, text, CELL_W - 4), x + CELL_W / 2, y + CELL_H / 2);
-        drawn++;
-      }
-    }
-    const outline = (l, p, colour, dash) => {
-      ctx.strokeStyle = colour;
-      ctx.lineWidth = 2;
-      ctx.setLineDash(dash);
-      ctx.strokeRect(cellX(p) - sx + 1, cellY(l) - sy + 1, CELL_W - 3, CELL_H - 3);
-      ctx.setLineDash([]);
-    };
-    for (const [l, p] of d.marks || []) outline(l, p, colours.accent, [4, 2]);
-    const sel = model.get("selected");
-    if (sel) outline(sel[0], sel[1], colours.select, []);
-    if (landing) {
-      // The column the pointer is over, and the cell of the dragged row in it.
-      ctx.strokeStyle = colours.select;
-      ctx.lineWidth = 1;
-      ctx.setLineDash([2, 2]);
-      ctx.strokeRect(cellX(landing.p) - sx + 0.5, -sy + 0.5, CELL_W - 2, nL * CELL_H - 2);
-      ctx.setLineDash([]);
-      if (landing.l >= 0) outline(landing.l, landing.p, colours.select, [5, 3]);
-    }
-    // Frozen axes: layer labels on the left, token labels below, over the scrolled cells.
-    ctx.fillStyle = colours.bg;
-    ctx.fillRect(0, 0, LEFT, viewH);
-    ctx.fillRect(0, nL * CELL_H - sy, viewW, viewH);
-    ctx.fillStyle = colours.fg;
-    ctx.textAlign = "right";
-    for (let r = r0; r <= r1; r++) {
-      const l = nL - 1 - r;
-      ctx.fillText(d.layer_labels[l], LEFT - 6, cellY(l) - sy + CELL_H / 2);
-    }
-    const axisY = Math.min(nL * CELL_H - sy, viewH - BOTTOM);
-    ctx.fillStyle = colours.bg;
-    ctx.fillRect(0, axisY, viewW, viewH - axisY);
-    ctx.fillStyle = colours.fg;
-    for (let p = p0; p <= p1; p++) {
-      ctx.save();
-      ctx.translate(cellX(p) - sx + CELL_W / 2, axisY + 6);
-      ctx.rotate(-Math.PI / 4);
-      ctx.fillText(fit(ctx, show(d.tokens[p]), BOTTOM + 20), 0, 0);
-      ctx.restore();
-    }
-    ctx.textAlign = "left";
-    ctx.fillText("layer", 4, 8);
-    root.dataset.drawn = String(drawn);
-  }
-
+  const view = { model, root, legend, scroller, spacer, canvas, tip };
+  Object.assign(view, { sticky: false, drag: null, dragged: false, landing: null });
   // The canvas cannot take focus, so Escape is heard on the document, only while a tooltip
   // is open.
-  const onKey = (event) => {
-    if (event.key === "Escape") hideTip();
+  view.onKey = (event) => {
+    if (event.key === "Escape") hideTip(view);
   };
+  return view;
+}
 
-  function hideTip() {
-    sticky = false;
-    tip.hidden = true;
-    document.removeEventListener("keydown", onKey);
+/** @returns {Payload} */
+function data(view) {
+  return view.model.get("data") || {};
+}
+
+/** [number of rows, number of positions] */
+function dims(view) {
+  const d = data(view);
+  return [(d.layer_labels || []).length, (d.tokens || []).length];
+}
+
+/** @returns {Grid | undefined} the grid of the metric shown (probability when unknown) */
+function grid(view) {
+  const grids = data(view).grids || {};
+  return grids[view.model.get("metric")] || grids.prob;
+}
+
+// Cell (layer index, position index) -> its top-left corner in spacer coordinates.
+const cellX = (p) => LEFT + p * CELL_W;
+const cellY = (view, l) => (dims(view)[0] - 1 - l) * CELL_H;
+
+/** The cell [layer, position] at spacer point (x, y), or null. */
+function cellAt(view, x, y) {
+  const [nL, nP] = dims(view);
+  const p = Math.floor((x - LEFT) / CELL_W);
+  const l = nL - 1 - Math.floor(y / CELL_H);
+  if (x < LEFT || p < 0 || p >= nP || l < 0 || l >= nL || y >= nL * CELL_H) return null;
+  return [l, p];
+}
+
+/** A pointer event's (or a Dragged detail's) client point in spacer coordinates. */
+function spacerPoint(view, event) {
+  const rect = view.canvas.getBoundingClientRect();
+  return [
+    event.clientX - rect.left + view.scroller.scrollLeft,
+    event.clientY - rect.top + view.scroller.scrollTop,
+  ];
+}
+
+/** The scroll area sized to the data, then everything drawn. */
+function layout(view) {
+  const [nL, nP] = dims(view);
+  const height = nL * CELL_H + BOTTOM;
+  view.spacer.style.width = `${LEFT + nP * CELL_W}px`;
+  view.spacer.style.height = `${height}px`;
+  view.scroller.style.height = `${Math.min(height, MAX_HEIGHT) + 16}px`;
+  redraw(view);
+}
+
+// The legend and the canvas, after the data or the metric changed (a scroll or a theme
+// switch repaints the canvas alone).
+function redraw(view) {
+  const g = grid(view);
+  view.legend.replaceChildren(...(g ? legendNodes(g) : []));
+  draw(view);
+}
+
+/** The canvas: the cells in view, the marks, the selection, a landing, the frozen axes. */
+function draw(view) {
+  const { canvas, scroller } = view;
+  const [nL, nP] = dims(view);
+  const g = grid(view);
+  const colours = theme(view.root);
+  const viewW = Math.max(1, Math.min(scroller.clientWidth || 600, LEFT + nP * CELL_W));
+  const viewH = Math.max(1, Math.min(scroller.clientHeight || 300, nL * CELL_H + BOTTOM));
+  const ratio = window.devicePixelRatio || 1;
+  const sx = scroller.scrollLeft;
+  const sy = scroller.scrollTop;
+  canvas.width = Math.round(viewW * ratio);
+  canvas.height = Math.round(viewH * ratio);
+  canvas.style.width = `${viewW}px`;
+  canvas.style.height = `${viewH}px`;
+  canvas.style.left = `${sx}px`;
+  canvas.style.top = `${sy}px`;
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.fillStyle = colours.bg;
+  ctx.fillRect(0, 0, viewW, viewH);
+  if (!g || !nL || !nP) return;
+  const range = {
+    p0: Math.max(0, Math.floor((sx - LEFT) / CELL_W)),
+    p1: Math.min(nP - 1, Math.floor((sx + viewW) / CELL_W)),
+    r0: Math.max(0, Math.floor(sy / CELL_H)),
+    r1: Math.min(nL - 1, Math.floor((sy + viewH) / CELL_H)),
+  };
+  ctx.font = "10px sans-serif";
+  ctx.textAlign = "center";
+  ctx.textBaseline = "middle";
+  view.root.dataset.drawn = String(drawCells(view, ctx, g, colours, range));
+  drawOutlines(view, ctx, colours);
+  drawAxes(view, ctx, colours, range, viewW, viewH);
+}
+
+/** The cells of `range` in their colours and texts; returns how many were drawn. */
+function drawCells(view, ctx, g, colours, { p0, p1, r0, r1 }) {
+  const d = data(view);
+  const nL = dims(view)[0];
+  const stops = g.stops.map(hexToRgb);
+  const span = g.vmax - g.vmin || 1;
+  const { scrollLeft: sx, scrollTop: sy } = view.scroller;
+  let drawn = 0;
+  for (let r = r0; r <= r1; r++) {
+    const l = nL - 1 - r;
+    for (let p = p0; p <= p1; p++) {
+      const v = g.values[l][p];
+      const rgb = v === null ? null : colourAt(stops, (v - g.vmin) / span);
+      const x = cellX(p) - sx;
+      const y = cellY(view, l) - sy;
+      ctx.fillStyle = rgb ? `rgb(${rgb.join(",")})` : colours.nan;
+      ctx.fillRect(x, y, CELL_W - 1, CELL_H - 1);
+      ctx.fillStyle = rgb ? textColour(rgb) : colours.fg;
+      const text = d.cell_text ? d.cell_text[l][p] : d.vocab[d.top_ids[l][p][0]];
+      ctx.fillText(fit(ctx, text, CELL_W - 4), x + CELL_W / 2, y + CELL_H / 2);
+      drawn++;
+    }
   }
+  return drawn;
+}
 
-  function fillTip(l, p) {
-    tip.replaceChildren(...tooltipNodes(data(), grid(), l, p, sticky, model.get("pinned") || []));
-    tip.dataset.layer = String(l);
-    tip.dataset.position = String(p);
+/** The marked cells (dashed), the selected cell, and where a dragged cell would land. */
+function drawOutlines(view, ctx, colours) {
+  const { scrollLeft: sx, scrollTop: sy } = view.scroller;
+  const outline = (l, p, colour, dash) => {
+    ctx.strokeStyle = colour;
+    ctx.lineWidth = 2;
+    ctx.setLineDash(dash);
+    ctx.strokeRect(cellX(p) - sx + 1, cellY(view, l) - sy + 1, CELL_W - 3, CELL_H - 3);
+    ctx.setLineDash([]);
+  };
+  for (const [l, p] of data(view).marks || []) outline(l, p, colours.accent, [4, 2]);
+  const sel = view.model.get("selected");
+  if (sel) outline(sel[0], sel[1], colours.select, []);
+  const landing = view.landing;
+  if (landing) {
+    // The column the pointer is over, and the cell of the dragged row in it.
+    ctx.strokeStyle = colours.select;
+    ctx.lineWidth = 1;
+    ctx.setLineDash([2, 2]);
+    const height = dims(view)[0] * CELL_H - 2;
+    ctx.strokeRect(cellX(landing.p) - sx + 0.5, -sy + 0.5, CELL_W - 2, height);
+    ctx.setLineDash([]);
+    if (landing.l >= 0) outline(landing.l, landing.p, colours.select, [5, 3]);
   }
+}
 
-  function showTip(cell, clientX, clientY) {
-    fillTip(...cell);
-    tip.hidden = false;
-    document.addEventListener("keydown", onKey);
-    const box = root.getBoundingClientRect();
-    let left = clientX - box.left + 14;
-    if (left + tip.offsetWidth > box.width) left = Math.max(0, clientX - box.left - tip.offsetWidth - 14);
-    tip.style.left = `${left}px`;
-    tip.style.top = `${clientY - box.top + 10}px`;
+/** Frozen axes: layer labels on the left, token labels below, over the scrolled cells. */
+function drawAxes(view, ctx, colours, { p0, p1, r0, r1 }, viewW, viewH) {
+  const d = data(view);
+  const nL = dims(view)[0];
+  const { scrollLeft: sx, scrollTop: sy } = view.scroller;
+  ctx.fillStyle = colours.bg;
+  ctx.fillRect(0, 0, LEFT, viewH);
+  ctx.fillRect(0, nL * CELL_H - sy, viewW, viewH);
+  ctx.fillStyle = colours.fg;
+  ctx.textAlign = "right";
+  for (let r = r0; r <= r1; r++) {
+    const l = nL - 1 - r;
+    ctx.fillText(d.layer_labels[l], LEFT - 6, cellY(view, l) - sy + CELL_H / 2);
   }
-
-  function spacerPoint(event) {
-    const rect = canvas.getBoundingClientRect();
-    return [event.clientX - rect.left + scroller.scrollLeft, event.clientY - rect.top + scroller.scrollTop];
+  const axisY = Math.min(nL * CELL_H - sy, viewH - BOTTOM);
+  ctx.fillStyle = colours.bg;
+  ctx.fillRect(0, axisY, viewW, viewH - axisY);
+  ctx.fillStyle = colours.fg;
+  for (let p = p0; p <= p1; p++) {
+    ctx.save();
+    ctx.translate(cellX(p) - sx + CELL_W / 2, axisY + 6);
+    ctx.rotate(-Math.PI / 4);
+    ctx.fillText(fit(ctx, show(d.tokens[p]), BOTTOM + 20), 0, 0);
+    ctx.restore();
   }
+  ctx.textAlign = "left";
+  ctx.fillText("layer", 4, 8);
+}
 
+// -- the tooltip ----------------------------------------------------------------------------
+
+function hideTip(view) {
+  view.sticky = false;
+  view.tip.hidden = true;
+  document.removeEventListener("keydown", view.onKey);
+}
+
+function fillTip(view, l, p) {
+  const pinned = view.model.get("pinned") || [];
+  view.tip.replaceChildren(...tooltipNodes(data(view), grid(view), l, p, view.sticky, pinned));
+  view.tip.dataset.layer = String(l);
+  view.tip.dataset.position = String(p);
+}
+
+function showTip(view, cell, clientX, clientY) {
+  const { tip, root } = view;
+  fillTip(view, ...cell);
+  tip.hidden = false;
+  document.addEventListener("keydown", view.onKey);
+  const box = root.getBoundingClientRect();
+  let left = clientX - box.left + 14;
+  if (left + tip.offsetWidth > box.width) left = Math.max(0, clientX - box.left - tip.offsetWidth - 14);
+  tip.style.left = `${left}px`;
+  tip.style.top = `${clientY - box.top + 10}px`;
+}
+
+/** Hovering shows a cell's tooltip, a click selects the cell and keeps its tooltip open. */
+function listenCells(view) {
+  const { canvas, tip, model } = view;
   canvas.addEventListener("mousemove", (event) => {
-    if (sticky || (drag && drag.ghost)) return;
-    const cell = cellAt(...spacerPoint(event));
-    if (cell) showTip(cell, event.clientX, event.clientY);
-    else hideTip();
+    if (view.sticky || (view.drag && view.drag.ghost)) return;
+    const cell = cellAt(view, ...spacerPoint(view, event));
+    if (cell) showTip(view, cell, event.clientX, event.clientY);
+    else hideTip(view);
   });
   canvas.addEventListener("mouseleave", (event) => {
-    if (!sticky && !tip.contains(event.relatedTarget)) hideTip();
+    if (!view.sticky && !tip.contains(event.relatedTarget)) hideTip(view);
   });
   canvas.addEventListener("click", (event) => {
-    if (dragged) {
-      dragged = false;
+    if (view.dragged) {
+      view.dragged = false;
       return;
     }
-    const cell = cellAt(...spacerPoint(event));
+    const cell = cellAt(view, ...spacerPoint(view, event));
     if (!cell) {
-      hideTip();
+      hideTip(view);
       return;
     }
-    sticky = true;
+    view.sticky = true;
     model.set("selected", cell);
     model.save_changes();
-    showTip(cell, event.clientX, event.clientY);
+    showTip(view, cell, event.clientX, event.clientY);
   });
   tip.addEventListener("click", (event) => {
     const button = event.target.closest(".ek-token");
@@ -394,102 +449,120 @@ function render({ model, el }) {
     }
     button.classList.add("ek-pinned");
   });
+}
 
-  // -- dragging a cell out (drag_role "source") ---------------------------------------------
+// -- dragging a cell out (drag_role "source") -----------------------------------------------
 
-  /** The root of the heatmap under the pointer that takes this heatmap's drops, or null. */
-  function dropTargetAt(x, y) {
-    const hit = document.elementFromPoint(x, y);
-    const target = hit && hit.closest(".ek-heatmap[data-drag-role='target']");
-    const group = model.get("drag_group");
-    return target && target !== root && group && target.dataset.dragGroup === group ? target : null;
+/** The root of the heatmap under the pointer that takes this heatmap's drops, or null. */
+function dropTargetAt(view, x, y) {
+  const hit = document.elementFromPoint(x, y);
+  const target = hit && hit.closest(".ek-heatmap[data-drag-role='target']");
+  const group = view.model.get("drag_group");
+  return target && target !== view.root && group && target.dataset.dragGroup === group
+    ? target
+    : null;
+}
+
+/** @returns {Dragged} */
+function dragDetail(view, event) {
+  const cell = view.drag.cell;
+  const label = data(view).layer_labels[cell[0]];
+  return { cell, label, clientX: event.clientX, clientY: event.clientY };
+}
+
+function endDrag(view) {
+  const drag = view.drag;
+  if (!drag) return;
+  if (drag.over) drag.over.dispatchEvent(new CustomEvent("ek-dragleave"));
+  if (drag.ghost) drag.ghost.remove();
+  if (view.canvas.hasPointerCapture(drag.id)) view.canvas.releasePointerCapture(drag.id);
+  view.drag = null;
+}
+
+/** The ghost follows the pointer and names where the cell would land. */
+function moveDrag(view, event) {
+  const drag = view.drag;
+  if (!drag.ghost) {
+    if (Math.hypot(event.clientX - drag.x, event.clientY - drag.y) < DRAG_START) return;
+    hideTip(view);
+    // On the page's body, not in the widget: JupyterLab's output areas clip what they hold.
+    drag.ghost = element("div", "ek-ghost");
+    document.body.append(drag.ghost);
   }
+  const over = dropTargetAt(view, event.clientX, event.clientY);
+  if (drag.over && drag.over !== over) drag.over.dispatchEvent(new CustomEvent("ek-dragleave"));
+  drag.over = over;
+  const detail = dragDetail(view, event);
+  if (over) over.dispatchEvent(new CustomEvent("ek-dragover", { detail }));
+  const what = `row ${detail.label} at ${show(data(view).tokens[drag.cell[1]])}`;
+  drag.ghost.textContent = detail.landing ? `${what} → ${detail.landing}` : what;
+  drag.ghost.classList.toggle("ek-ghost-over", Boolean(detail.landing));
+  drag.ghost.style.left = `${event.clientX + 14}px`;
+  drag.ghost.style.top = `${event.clientY + 10}px`;
+}
 
-  /** @returns {Dragged} */
-  function dragDetail(event) {
-    const label = data().layer_labels[drag.cell[0]];
-    return { cell: drag.cell, label, clientX: event.clientX, clientY: event.clientY };
-  }
-
-  function endDrag() {
-    if (!drag) return;
-    if (drag.over) drag.over.dispatchEvent(new CustomEvent("ek-dragleave"));
-    if (drag.ghost) drag.ghost.remove();
-    if (canvas.hasPointerCapture(drag.id)) canvas.releasePointerCapture(drag.id);
-    drag = null;
-  }
-
+function listenDragSource(view) {
+  const { canvas, model } = view;
   canvas.addEventListener("pointerdown", (event) => {
-    dragged = false;
+    view.dragged = false;
     if (model.get("drag_role") !== "source" || event.button !== 0) return;
-    const cell = cellAt(...spacerPoint(event));
+    const cell = cellAt(view, ...spacerPoint(view, event));
     if (!cell) return;
     event.preventDefault(); // no text selection while dragging
-    drag = { cell, x: event.clientX, y: event.clientY, id: event.pointerId, ghost: null, over: null };
-    canvas.setPointerCapture(event.pointerId);
+    const { clientX: x, clientY: y, pointerId: id } = event;
+    view.drag = { cell, x, y, id, ghost: null, over: null };
+    canvas.setPointerCapture(id);
   });
   canvas.addEventListener("pointermove", (event) => {
-    if (!drag || event.pointerId !== drag.id) return;
-    if (!drag.ghost) {
-      if (Math.hypot(event.clientX - drag.x, event.clientY - drag.y) < DRAG_START) return;
-      hideTip();
-      // On the page's body, not in the widget: JupyterLab's output areas clip what they hold.
-      drag.ghost = element("div", "ek-ghost");
-      document.body.append(drag.ghost);
-    }
-    const over = dropTargetAt(event.clientX, event.clientY);
-    if (drag.over && drag.over !== over) drag.over.dispatchEvent(new CustomEvent("ek-dragleave"));
-    drag.over = over;
-    const detail = dragDetail(event);
-    if (over) over.dispatchEvent(new CustomEvent("ek-dragover", { detail }));
-    const d = data();
-    const what = `row ${detail.label} at ${show(d.tokens[drag.cell[1]])}`;
-    drag.ghost.textContent = detail.landing ? `${what} → ${detail.landing}` : what;
-    drag.ghost.classList.toggle("ek-ghost-over", Boolean(detail.landing));
-    drag.ghost.style.left = `${event.clientX + 14}px`;
-    drag.ghost.style.top = `${event.clientY + 10}px`;
+    if (view.drag && event.pointerId === view.drag.id) moveDrag(view, event);
   });
   canvas.addEventListener("pointerup", (event) => {
+    const drag = view.drag;
     if (!drag || event.pointerId !== drag.id) return;
     if (drag.ghost) {
-      dragged = true;
-      const over = dropTargetAt(event.clientX, event.clientY);
-      if (over) over.dispatchEvent(new CustomEvent("ek-drop", { detail: dragDetail(event) }));
+      view.dragged = true;
+      const over = dropTargetAt(view, event.clientX, event.clientY);
+      if (over) over.dispatchEvent(new CustomEvent("ek-drop", { detail: dragDetail(view, event) }));
     }
-    endDrag();
+    endDrag(view);
   });
-  canvas.addEventListener("pointercancel", endDrag);
+  canvas.addEventListener("pointercancel", () => endDrag(view));
+}
 
-  // -- taking a dropped cell (drag_role "target") -------------------------------------------
+// -- taking a dropped cell (drag_role "target") ---------------------------------------------
 
-  /** Where the dragged cell would land under the pointer: its own row, the column hovered. */
-  function landingAt(detail) {
-    const cell = cellAt(...spacerPoint(detail));
-    if (!cell) return null;
-    return { l: data().layer_labels.indexOf(detail.label), p: cell[1] };
-  }
+/** Where the dragged cell would land under the pointer: its own row, the column hovered. */
+function landingAt(view, detail) {
+  const cell = cellAt(view, ...spacerPoint(view, detail));
+  if (!cell) return null;
+  return { l: data(view).layer_labels.indexOf(detail.label), p: cell[1] };
+}
 
+function listenDropTarget(view) {
+  const { root, model } = view;
+  const repaint = () => requestAnimationFrame(() => draw(view));
   root.addEventListener("ek-dragover", (event) => {
-    if (!tip.hidden) hideTip(); // it would hide where the cell lands
-    landing = landingAt(event.detail);
+    if (!view.tip.hidden) hideTip(view); // it would hide where the cell lands
+    const landing = landingAt(view, event.detail);
+    view.landing = landing;
     if (landing) {
       const row = landing.l >= 0 ? `, row ${event.detail.label}` : "";
-      event.detail.landing = `position ${landing.p} ${show(data().tokens[landing.p])}${row}`;
+      event.detail.landing = `position ${landing.p} ${show(data(view).tokens[landing.p])}${row}`;
     }
-    requestAnimationFrame(draw);
+    repaint();
   });
   root.addEventListener("ek-dragleave", () => {
-    landing = null;
-    requestAnimationFrame(draw);
+    view.landing = null;
+    repaint();
   });
   root.addEventListener("ek-drop", (event) => {
-    landing = null;
-    const cell = cellAt(...spacerPoint(event.detail));
+    view.landing = null;
+    const cell = cellAt(view, ...spacerPoint(view, event.detail));
     if (cell) {
       model.set("drop", { source: event.detail.cell, target: cell });
       model.save_changes();
     }
-    requestAnimationFrame(draw);
+    repaint();
   });
   const roles = () => {
     root.dataset.dragRole = model.get("drag_role") || "";
@@ -498,47 +571,63 @@ function render({ model, el }) {
   roles();
   model.on("change:drag_role", roles);
   model.on("change:drag_group", roles);
+}
 
-  scroller.addEventListener("scroll", () => requestAnimationFrame(draw));
-  const resize = new ResizeObserver(() => draw());
-  resize.observe(scroller);
+/** Repaints on scroll, resize and theme switch; returns what stops listening. */
+function listenPage(view) {
+  const repaint = () => requestAnimationFrame(() => draw(view));
+  view.scroller.addEventListener("scroll", repaint);
+  const resize = new ResizeObserver(() => draw(view));
+  resize.observe(view.scroller);
   // A theme switch (JupyterLab's menu, or the reader's colour scheme on the standalone page)
   // changes the --jp-* variables under the canvas, which has to be painted again.
-  const themeChange = () => requestAnimationFrame(draw);
-  const themes = new MutationObserver(themeChange);
+  const themes = new MutationObserver(repaint);
   themes.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-name"] });
   const scheme = window.matchMedia("(prefers-color-scheme: dark)");
-  scheme.addEventListener("change", themeChange);
-
-  // A hook for tests and scripts: where on screen cell (l, p) is, scrolled into view.
-  root.ekCellCenter = (l, p) => {
-    scroller.scrollLeft = Math.max(0, cellX(p) - scroller.clientWidth / 2);
-    scroller.scrollTop = Math.max(0, cellY(l) - scroller.clientHeight / 2);
-    draw();
-    const rect = canvas.getBoundingClientRect();
-    return {
-      x: rect.left + cellX(p) - scroller.scrollLeft + CELL_W / 2,
-      y: rect.top + cellY(l) - scroller.scrollTop + CELL_H / 2,
-    };
-  };
-
-  model.on("change:data", () => {
-    hideTip();
-    layout();
-  });
-  model.on("change:metric", () => {
-    redraw();
-    if (!tip.hidden) fillTip(Number(tip.dataset.layer), Number(tip.dataset.position));
-  });
-  model.on("change:selected", draw);
-  layout();
-  requestAnimationFrame(draw);
+  scheme.addEventListener("change", repaint);
   return () => {
-    hideTip();
-    endDrag();
     resize.disconnect();
     themes.disconnect();
-    scheme.removeEventListener("change", themeChange);
+    scheme.removeEventListener("change", repaint);
+  };
+}
+
+/** A hook for tests and scripts: where on screen cell (l, p) is, scrolled into view. */
+function cellCenter(view, l, p) {
+  const { scroller, canvas } = view;
+  scroller.scrollLeft = Math.max(0, cellX(p) - scroller.clientWidth / 2);
+  scroller.scrollTop = Math.max(0, cellY(view, l) - scroller.clientHeight / 2);
+  draw(view);
+  const rect = canvas.getBoundingClientRect();
+  return {
+    x: rect.left + cellX(p) - scroller.scrollLeft + CELL_W / 2,
+    y: rect.top + cellY(view, l) - scroller.scrollTop + CELL_H / 2,
+  };
+}
+
+function render({ model, el }) {
+  const view = createView(model, el);
+  listenCells(view);
+  listenDragSource(view);
+  listenDropTarget(view);
+  const stopPage = listenPage(view);
+  view.root.ekCellCenter = (l, p) => cellCenter(view, l, p);
+  model.on("change:data", () => {
+    hideTip(view);
+    layout(view);
+  });
+  model.on("change:metric", () => {
+    redraw(view);
+    const tip = view.tip;
+    if (!tip.hidden) fillTip(view, Number(tip.dataset.layer), Number(tip.dataset.position));
+  });
+  model.on("change:selected", () => draw(view));
+  layout(view);
+  requestAnimationFrame(() => draw(view));
+  return () => {
+    hideTip(view);
+    endDrag(view);
+    stopPage();
   };
 }
 

@@ -29,13 +29,6 @@
 
 const RESID = "resid";
 
-function element(tag, className, text = null) {
-  const node = document.createElement(tag);
-  node.className = className;
-  if (text !== null) node.textContent = text;
-  return node;
-}
-
 function render({ model, el }) {
   const root = element("div", "ek-picker");
   el.append(root);

@@ -18,7 +18,8 @@ is all that comes back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,9 +126,14 @@ def attribution_statistics(
 
 
 def run(
-    model: Any, readout: Readout, request: AttributionRequest, meta: dict[str, Any]
+    model: Any,
+    readout: Readout,
+    request: AttributionRequest,
+    meta: dict[str, Any],
+    guard: Callable[[], AbstractContextManager],
 ) -> AttributionResult:
-    """Attribute ``request`` on ``model`` (an envoy tree) in one forward pass."""
+    """Attribute ``request`` on ``model`` (an envoy tree) in one forward pass, its trace
+    under ``guard`` (the engine's)."""
     import nnsight
 
     from envoykit.analyses.lens import distinct_labels

@@ -87,25 +87,44 @@ def compare(
             f"{info_b.name} ({info_b.n_layers}, {info_b.vocab}) cannot be compared cell by cell"
         )
     tokenizer = b.engine.tokenizer
+    ids = _token_ids(a, b, positions)
+    picked = normalise_positions(positions, min(map(len, ids))) or tuple(range(len(ids[0])))
+    rows = normalise_layers(("embed", "all") if layers is None else layers, info_b.n_layers)
+    wanted = [single_token_target(tokenizer, info_b.vocab, t) for t in _as_list(targets)]
+    writes = [_writes(run, seq) for run, seq in zip((a, b), ids)]
+    rows_a = normed_rows(a.engine, a.prompt, rows, picked, writes[0])
+    stats = compared_rows(b.engine, b.prompt, rows, picked, writes[1], rows_a, wanted, budget)
+    return _result(a, b, tokenizer, ids, picked, rows, wanted, stats)
+
+
+def _token_ids(a: Run, b: Run, positions: Any) -> list[list[int]]:
+    """Both runs' prompt token ids; without ``positions``, they must be as long."""
     ids = []
     for run in (a, b):
         (prompt,) = normalise_prompts(run.prompt)
         ids.append(list(run.engine.tokenizer(prompt)["input_ids"]))
     if positions is None and len(ids[0]) != len(ids[1]):
+        tokenizer = b.engine.tokenizer
         shown = [[tokenizer.decode([i]) for i in seq] for seq in ids]
         raise InvalidRequest(
             "comparing every position needs prompts with as many tokens: a has "
             f"{len(ids[0])} {shown[0]}, b {len(ids[1])} {shown[1]}; pass positions=[...] "
             "(token indices valid in both) to compare some"
         )
-    picked = normalise_positions(positions, min(map(len, ids))) or tuple(range(len(ids[0])))
-    rows = normalise_layers(("embed", "all") if layers is None else layers, info_b.n_layers)
-    wanted = [single_token_target(tokenizer, info_b.vocab, t) for t in _as_list(targets)]
-    writes = [_writes(run, seq) for run, seq in zip((a, b), ids)]
-    with a.engine.exclusive():
-        rows_a = normed_rows(a.engine, a.prompt, rows, picked, writes[0])
-    with b.engine.exclusive():
-        stats = compared_rows(b.engine, b.prompt, rows, picked, writes[1], rows_a, wanted, budget)
+    return ids
+
+
+def _result(
+    a: Run,
+    b: Run,
+    tokenizer: Any,
+    ids: list[list[int]],
+    picked: tuple[int, ...],
+    rows: list[int],
+    wanted: list[Any],
+    stats: dict[str, np.ndarray],
+) -> CompareResult:
+    """The `CompareResult` of the statistics the ranks sent, with its tokens decoded."""
     decode = np.vectorize(lambda i: tokenizer.decode([int(i)]), otypes=[object])
     return CompareResult(
         a=a.describe(),
@@ -141,8 +160,7 @@ def _writes(run: Run, ids: list[int]) -> list[Write]:
         return []
     engine = run.engine
     plan = plan_writes(engine.tokenizer, patches, ids, engine.info.n_layers)
-    with engine.exclusive():
-        return source_writes(engine.model, engine.readout, plan)
+    return source_writes(engine.model, engine.readout, plan, engine.exclusive)
 
 
 def _normed_rows(
@@ -160,13 +178,13 @@ def _normed_rows(
 def normed_rows(
     engine: Any, prompt: str, layers: Sequence[int], positions: Sequence[int], writes: list[Write]
 ) -> torch.Tensor:
-    """``[layers, positions, d_model]`` float32: run ``prompt``, each layer's stream through the
-    final norm, at ``positions``."""
+    """``[layers, positions, d_model]`` float32: run ``prompt`` (under the engine's guard),
+    each layer's stream through the final norm, at ``positions``."""
     import nnsight
 
     model, readout = engine.model, engine.readout
     picked = torch.tensor(list(positions))
-    with model.trace(prompt, temperature=0.0, max_tokens=1):
+    with engine.exclusive(), model.trace(prompt, temperature=0.0, max_tokens=1):
         rows = nnsight.save(_normed_rows(model, readout, layers, writes, picked).float().cpu())
     return rows
 
@@ -181,13 +199,14 @@ def compared_rows(
     targets: list,
     budget: int,
 ) -> dict[str, np.ndarray]:
-    """Run ``prompt`` on ``engine`` and reduce it against ``rows_a`` on the ranks."""
+    """Run ``prompt`` on ``engine`` (under its guard) and reduce it against ``rows_a`` on the
+    ranks."""
     import nnsight
 
     model, readout = engine.model, engine.readout
     picked = torch.tensor(list(positions))
     target_ids = [t.token_id for t in targets]
-    with model.trace(prompt, temperature=0.0, max_tokens=1):
+    with engine.exclusive(), model.trace(prompt, temperature=0.0, max_tokens=1):
         head = at(model, readout.unembedding)
         rows_b = _normed_rows(model, readout, layers, writes, picked)
         stats = divergence_statistics(

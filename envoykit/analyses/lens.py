@@ -24,7 +24,8 @@ saved. Full-vocabulary logits are never gathered, let alone sent back.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -152,11 +153,14 @@ def run(
     readout: Readout,
     request: LensRequest,
     meta: dict[str, Any],
+    guard: Callable[[], AbstractContextManager],
     budget: int = DEFAULT_MEMORY_BUDGET,
     writes: Sequence[Write] = (),
     translator: str | None = None,
 ) -> list[LensResult]:
-    """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt.
+    """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt, the
+    whole trace under ``guard`` (the engine's: nnsight cannot build two traces on one model
+    from two threads at once).
 
     ``writes`` (see `envoykit.analyses.patching`) are written into the prompt's forward pass before
     anything downstream of them is read: the lens is that of the patched run. ``translator``
@@ -180,7 +184,7 @@ def run(
     target_ids = [t.token_id for t in request.targets]
     reduce_dtype = getattr(torch, request.reduce_dtype)
     top_k, steps_wanted = request.top_k, request.generate + 1
-    with model.trace(temperature=0.0, max_tokens=steps_wanted) as tracer:
+    with guard(), model.trace(temperature=0.0, max_tokens=steps_wanted) as tracer:
         for prompt in request.prompts:
             with tracer.invoke(prompt):
                 shard = head.vocab_shard()

@@ -21,7 +21,8 @@ What a cell holds, by site (read and written through the model's layer family, s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,12 +122,17 @@ def write_cells(model: Any, readout: Readout, writes: Sequence[Write]) -> None:
 
 
 def source_writes(
-    model: Any, readout: Readout, plan: dict[str, list[tuple[Cell, Cell]]]
+    model: Any,
+    readout: Readout,
+    plan: dict[str, list[tuple[Cell, Cell]]],
+    guard: Callable[[], AbstractContextManager],
 ) -> list[Write]:
-    """Read every source once; the values, moved to their target cells."""
+    """Read every source once, each trace under ``guard``; the values, moved to their
+    target cells."""
     writes = []
     for source, pairs in plan.items():
-        read = read_cells(model, readout, source, [src for src, _ in pairs])
+        with guard():
+            read = read_cells(model, readout, source, [src for src, _ in pairs])
         writes += [Write(dst, item.value, item.residual) for item, (_, dst) in zip(read, pairs)]
     return writes
 

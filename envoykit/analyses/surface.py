@@ -4,8 +4,14 @@
 envoy tree (``model``), the model's shape (``info``) and a guard that gives the engine to
 one request at a time (``exclusive``) — so an engine in this process and one reached through
 a server offer the same methods with the same checks and the same results. The computing
-itself lives in the other modules of `envoykit.analyses` (lens, attribution, patching, sweep,
-compare), which take the envoy tree and a `Readout`, never an engine.
+itself lives in the other modules of `envoykit.analyses`: lens, attribution, patching and
+sweep take the envoy tree, a `Readout` and the engine's guard; compare, tuned and selfcheck,
+which may trace two engines or need a tokenizer and shape, take engines.
+
+One rule for the guard: the analysis holds it, around each of its traces, and no caller
+holds it for a callee. An analysis given an envoy tree takes ``guard`` (the engine's
+`exclusive`, uncalled); one given an engine holds ``engine.exclusive()``. Between two traces
+the guard is free, so a long sweep lets other requests in.
 """
 
 from __future__ import annotations
@@ -131,32 +137,38 @@ class EngineSurface:
             reduce_dtype=reduce_dtype,
         )
         patches = patching.as_patches(patch)
-        plan = {}
-        if patches:
-            if len(req.prompts) != 1:
-                raise InvalidRequest("a patch goes into one target prompt, not a list of them")
-            plan = patching.plan_writes(self.tokenizer, patches, req.prompt_ids[0], info.n_layers)
+        plan = self._patch_plan(req, patches)
         self.readout.require("the lens")
         self._require_sites([site for _, site in req.rows] + [p.site for p in patches])
-        key = None
-        if translator is not None:
-            if any(site != "resid" for _, site in req.rows):
-                raise InvalidRequest(
-                    "tuned-lens translators are trained for the residual stream after each "
-                    "layer: use sites=('resid',) with a translator"
-                )
-            key = self._install_translator(translator)
+        key = None if translator is None else self._translator_for(req, translator)
         meta = self._result_meta()
         if key is not None:
             meta.update(lens="tuned", translator=key)
         if patches:
             meta["patches"] = [dataclasses.asdict(p) for p in patches]
-        # The whole trace under the guard, not only its run: nnsight cannot build two traces
-        # on one model from two threads at once.
-        with self.exclusive():
-            writes = patching.source_writes(self.model, self.readout, plan)
-            results = lens.run(self.model, self.readout, req, meta, writes=writes, translator=key)
+        model, readout, guard = self.model, self.readout, self.exclusive
+        writes = patching.source_writes(model, readout, plan, guard)
+        results = lens.run(model, readout, req, meta, guard, writes=writes, translator=key)
         return results if isinstance(prompt, (list, tuple)) else results[0]
+
+    def _patch_plan(self, req: Any, patches: list[Patch]) -> dict:
+        """Where each patch writes in the one prompt of ``req`` (`patching.plan_writes`)."""
+        from envoykit.analyses import patching
+
+        if not patches:
+            return {}
+        if len(req.prompts) != 1:
+            raise InvalidRequest("a patch goes into one target prompt, not a list of them")
+        return patching.plan_writes(self.tokenizer, patches, req.prompt_ids[0], self.info.n_layers)
+
+    def _translator_for(self, req: Any, translator: TunedLens) -> str:
+        """The key of ``translator`` installed on the ranks, for a request of stream rows."""
+        if any(site != "resid" for _, site in req.rows):
+            raise InvalidRequest(
+                "tuned-lens translators are trained for the residual stream after each "
+                "layer: use sites=('resid',) with a translator"
+            )
+        return self._install_translator(translator)
 
     def _install_translator(self, translator: TunedLens) -> str:
         """Make ``translator`` available on the ranks; its key. Engines that can reach their
@@ -199,8 +211,7 @@ class EngineSurface:
         req = attribution.build_request(
             self.tokenizer, info.vocab, info.max_model_len, prompt, targets, positions
         )
-        with self.exclusive():
-            return attribution.run(self.model, self.readout, req, self._result_meta())
+        return attribution.run(self.model, self.readout, req, self._result_meta(), self.exclusive)
 
     def patch_sweep(
         self,

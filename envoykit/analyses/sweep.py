@@ -70,15 +70,7 @@ def build_request(
     """Check a sweep before anything reaches the ranks."""
     (source,) = normalise_prompts(source)
     (target,) = normalise_prompts(target)
-    source_ids = tuple(tokenizer(source)["input_ids"])
-    target_ids = tuple(tokenizer(target)["input_ids"])
-    if len(source_ids) != len(target_ids):
-        shown = [[tokenizer.decode([i]) for i in ids] for ids in (source_ids, target_ids)]
-        raise InvalidRequest(
-            "a sweep copies position p of the source into position p of the target, so both "
-            f"prompts must have as many tokens: the source has {len(source_ids)} {shown[0]}, "
-            f"the target {len(target_ids)} {shown[1]}"
-        )
+    source_ids, target_ids = _same_length_ids(tokenizer, source, target)
     for name, value in (("layers", layers), ("positions", positions)):
         if value is not None and not isinstance(value, (str, int)) and len(value) == 0:
             raise InvalidRequest(f"an empty sweep: no {name} given")
@@ -89,13 +81,7 @@ def build_request(
         picked = tuple(layer for layer in picked if layer > 0)
         if not picked:
             raise InvalidRequest(f"the embedding (layer 0) has no {site!r} site: pick layers >= 1")
-    if metric not in METRICS:
-        raise InvalidRequest(f"metric must be one of {list(METRICS)}, not {metric!r}")
-    if (metric == "logit_diff") != (other_token is not None):
-        raise InvalidRequest(
-            "metric='logit_diff' needs other_token (and 'prob' takes none): the logit "
-            "difference is target_token's logit minus other_token's"
-        )
+    _check_metric(metric, other_token)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise InvalidRequest(f"batch must be an integer >= 1, not {batch!r}")
     return SweepRequest(
@@ -113,6 +99,32 @@ def build_request(
         else single_token_target(tokenizer, vocab, other_token),
         batch=batch,
     )
+
+
+def _same_length_ids(
+    tokenizer: Any, source: str, target: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Both prompts' token ids: a sweep copies position p into position p, so as many."""
+    source_ids = tuple(tokenizer(source)["input_ids"])
+    target_ids = tuple(tokenizer(target)["input_ids"])
+    if len(source_ids) != len(target_ids):
+        shown = [[tokenizer.decode([i]) for i in ids] for ids in (source_ids, target_ids)]
+        raise InvalidRequest(
+            "a sweep copies position p of the source into position p of the target, so both "
+            f"prompts must have as many tokens: the source has {len(source_ids)} {shown[0]}, "
+            f"the target {len(target_ids)} {shown[1]}"
+        )
+    return source_ids, target_ids
+
+
+def _check_metric(metric: str, other_token: str | int | None) -> None:
+    if metric not in METRICS:
+        raise InvalidRequest(f"metric must be one of {list(METRICS)}, not {metric!r}")
+    if (metric == "logit_diff") != (other_token is not None):
+        raise InvalidRequest(
+            "metric='logit_diff' needs other_token (and 'prob' takes none): the logit "
+            "difference is target_token's logit minus other_token's"
+        )
 
 
 def run(

@@ -2,15 +2,15 @@
 
 One module per job: `views` (the anywidget classes `Heatmap` and `LayerPicker`), `payload`
 (what they receive, shaped as JSON: a lens, or the diff of two runs), `rows` (the picker's
-selection as lens rows, and how one lens covers them), `controller` (`LensExplorer`, which
-ties inputs, views and the engine together), `attribution_panel` (the direct logit
-attribution at the selected cell), `compare_panel` (a second prompt's heatmap to drag cells
-from, the diff, and which patch a drop means), `sweep_panel` (a patch sweep with a progress
-bar), `outputs` (figures and messages as plain ipywidgets show them), `export` (figures, JSON and
-the standalone page) and `assets` (the browser modules in ``widgets/``, read once). The
-browser side is framework-free anywidget modules, no build step; state crosses between
-kernel and browser only through named traitlets, so every interaction can be driven and
-checked from Python.
+selection as lens rows, and how one lens covers them), `layout` (the explorer's widgets, built
+and arranged), `controller` (`LensExplorer`, which ties inputs, views and the engine
+together), `attribution_panel` (the direct logit attribution at the selected cell),
+`compare_panel` (a second prompt's heatmap to drag cells from, the diff, and which patch a
+drop means), `sweep_panel` (a patch sweep with a progress bar), `outputs` (figures and
+messages as plain ipywidgets show them), `export` (figures, JSON and the standalone page) and
+`assets` (the browser modules in ``widgets/``, read once). The browser side is framework-free
+anywidget modules, no build step; state crosses between kernel and browser only through named
+traitlets, so every interaction can be driven and checked from Python.
 """
 
 from envoykit.explorer.assets import widgets_dir

@@ -2,7 +2,9 @@
 
 In a checkout they sit in the top-level ``widgets/`` folder; a wheel ships them inside the
 package (``envoykit/widgets``). Widgets and the standalone export both read them through
-`asset`, so each file is read from disk once, not on every widget construction.
+`asset`, so each file is read from disk once, not on every widget construction. A browser
+module's source goes through `module`, which puts ``dom.js`` (the element helper every module
+uses) in front of it: each module is loaded as one source text, with nothing to import.
 """
 
 from __future__ import annotations
@@ -26,3 +28,9 @@ def widgets_dir() -> Path:
 def asset(name: str) -> str:
     """The text of ``widgets/<name>``."""
     return (widgets_dir() / name).read_text(encoding="utf-8")
+
+
+@functools.cache
+def module(name: str) -> str:
+    """The source of browser module ``widgets/<name>`` as it is loaded: ``dom.js``, then it."""
+    return asset("dom.js") + "\n" + asset(name)

@@ -1,9 +1,10 @@
 """`LensExplorer`: the controller that ties the inputs, the views and the lens together.
 
-It owns no drawing and no JSON shaping (`views`, `payload`) and writes no files (`export`):
-it turns widget events into lens requests and results into view state. Every piece of model
-text it puts into an HTML widget (tokenizations, error messages, the engine's name) is
-escaped, since ipywidgets' HTML widget renders its value as markup.
+It builds no widgets (`layout`), owns no drawing and no JSON shaping (`views`, `payload`)
+and writes no files (`export`): it turns widget events into lens requests and results into
+view state. Every piece of model text it puts into an HTML widget (tokenizations, error
+messages, the engine's name) is escaped, since ipywidgets' HTML widget renders its value as
+markup.
 
 The layer picker picks rows — (layer, site) pairs — which need not be a cross product of
 layers and sites; the lens runs on the union and keeps the picked rows (`rows`).
@@ -26,13 +27,9 @@ patches the second prompt into the first at every picked layer and position.
 from __future__ import annotations
 
 import html
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import ipywidgets as widgets
-import numpy as np
 
 from envoykit import plot
 from envoykit.analyses.compare import compare
@@ -41,17 +38,15 @@ from envoykit.analyses.request import Row, describe_target
 from envoykit.analyses.tuned import TunedLens
 from envoykit.errors import InvalidRequest
 from envoykit.explorer import export, rows
-from envoykit.explorer.attribution_panel import AttributionPanel
 from envoykit.explorer.compare_panel import (
-    ComparePanel,
     describe_patch,
     drop_patch,
     patched_cell,
 )
+from envoykit.explorer.layout import ExplorerLayout
 from envoykit.explorer.outputs import ENGINE_ERRORS, ERROR, figure_output, message_html, text_output
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
-from envoykit.explorer.sweep_panel import SweepPanel
-from envoykit.explorer.views import Heatmap, LayerPicker
+from envoykit.explorer.views import LayerPicker
 from envoykit.model.families import sites_of
 from envoykit.results.attribution import AttributionResult
 from envoykit.results.compare import CompareResult
@@ -60,7 +55,7 @@ from envoykit.results.metrics import METRICS, metric_grid, metric_keys
 from envoykit.results.sweep import SweepResult
 
 
-class LensExplorer(widgets.VBox):
+class LensExplorer(ExplorerLayout):
     """Prompt, targets, metric, top-k and lens rows in; heatmap, trajectory and attribution out.
 
     ``LensExplorer(engine)`` runs the lens on the engine (`run`, or the Run button);
@@ -100,77 +95,25 @@ class LensExplorer(widgets.VBox):
         self._other: str | None = None
         self._other_request: dict[str, Any] | None = None
 
-        self.prompt = widgets.Textarea(
-            value=source.prompt if readonly else prompt,
-            placeholder="prompt",
-            layout=widgets.Layout(width="100%", height="70px"),
-            disabled=readonly,
-        )
-        self.targets = widgets.Text(
-            value=",".join(source.target_labels if readonly else targets),
-            description="targets",
-            placeholder="comma-separated, spaces kept: ' Paris, London'",
-            disabled=readonly,
-            layout=widgets.Layout(width="100%"),
-        )
-        self.tokenization = widgets.HTML()
-        self.metric = widgets.Dropdown(description="metric", options=self._metric_options())
-        self.metric.add_class("ek-metric")  # the page's handle on it, beside other menus
-        self.top_k = widgets.BoundedIntText(
-            value=source.top_ids.shape[-1] if readonly else top_k,
-            min=1,
-            max=1000,
-            description="top-k",
-            disabled=readonly,
-            layout=widgets.Layout(width="160px"),
-        )
-        self.lens_kind = widgets.Dropdown(
-            description="lens",
-            options=[("logit lens", "logit"), ("tuned lens", "tuned")],
-            layout=widgets.Layout(width="200px", display="none"),
+        if readonly:
+            picker = LayerPicker(result_layers(source))
+            picker.rows = zip(source.layers.tolist(), source.sites)
+        else:
+            family = source.readout.family
+            sublayers = () if family is None else sites_of(family)
+            picker = LayerPicker(picker_layers(source.locations(), sublayers=sublayers))
+        super().__init__(
+            picker,
+            prompt=source.prompt if readonly else prompt,
+            targets=source.target_labels if readonly else targets,
+            top_k=source.top_ids.shape[-1] if readonly else top_k,
+            compare_with=compare_with,
+            metric_options=self._metric_options(),
+            readonly=readonly,
         )
         self.translator: TunedLens | None = None
         if translator is not None:
             self.set_translator(translator)
-        self.run_button = widgets.Button(
-            description="Run", button_style="primary", icon="play", disabled=readonly
-        )
-        self.status = widgets.HTML("read-only: a stored LensResult" if readonly else "")
-        self.message = widgets.HTML()
-        self.compare = widgets.Checkbox(
-            value=bool(compare_with) and not readonly,
-            description="compare with a second prompt",
-            indent=False,
-            disabled=readonly,
-        )
-        self.other_prompt = widgets.Textarea(
-            value=compare_with,
-            placeholder="second prompt: compared with the first; drag a cell of its heatmap "
-            "onto the first's to patch it in",
-            layout=widgets.Layout(width="100%", height="50px"),
-            disabled=readonly,
-        )
-        self.patch_note = widgets.HTML()
-        if readonly:
-            self.picker = LayerPicker(result_layers(source))
-            self.picker.rows = zip(source.layers.tolist(), source.sites)
-        else:
-            family = source.readout.family
-            sublayers = () if family is None else sites_of(family)
-            self.picker = LayerPicker(picker_layers(source.locations(), sublayers=sublayers))
-        group = uuid.uuid4().hex  # drops from this explorer's second heatmap only
-        self.heatmap = Heatmap(drag_role="target", drag_group=group)
-        self.heatmap.add_class("ek-main-heatmap")
-        self.compare_panel = ComparePanel(group)
-        self.sweep_panel = SweepPanel()
-        self.sweep_panel.say(
-            "patches the second prompt's residual stream into the first at every picked "
-            "layer and position, for the token pinned last or the first target"
-        )
-        self.compare_box = widgets.VBox([self.compare_panel, self.sweep_panel])
-        self.trajectory = widgets.Output()
-        self.trajectory.add_class("ek-trajectory")
-        self.attribution_panel = AttributionPanel()
 
         self.targets.observe(self._on_targets, "value")
         self.metric.observe(self._on_metric, "value")
@@ -184,30 +127,6 @@ class LensExplorer(widgets.VBox):
         self.run_button.on_click(lambda _: self.run())
         self.sweep_panel.button.on_click(lambda _: self.run_sweep())
 
-        controls = widgets.VBox(
-            [
-                self.targets,
-                self.tokenization,
-                widgets.HBox([self.metric, self.top_k, self.lens_kind]),
-                widgets.HBox([self.run_button, self.status]),
-            ],
-            layout=widgets.Layout(width="55%"),
-        )
-        prompts = widgets.VBox(
-            [self.prompt, self.compare, self.other_prompt], layout={"width": "45%"}
-        )
-        super().__init__(
-            [
-                widgets.HBox([prompts, controls]),
-                self.message,
-                self.picker,
-                self.patch_note,
-                self.heatmap,
-                self.compare_box,
-                self.trajectory,
-                self.attribution_panel,
-            ]
-        )
         self._on_compare()
         self._on_targets()
         if metric in self._metric_keys():
@@ -542,31 +461,16 @@ class LensExplorer(widgets.VBox):
         position = self.heatmap.selected[1] if self.heatmap.selected else -1
         known = set(shown.target_ids.tolist())
         extra = [i for i in self.heatmap.pinned if i not in known]
-        labels = list(shown.target_labels)
-        if not labels and not extra:
+        if not len(shown.target_labels) and not extra:
             self.trajectory_figure, self.trajectory_targets = None, []
             self.trajectory.outputs = (
                 text_output("type targets, or click a token in a heatmap tooltip to pin it"),
             )
             return
         ax = Figure(figsize=(7, 3.5)).subplots()
-        if labels:
-            plot.trajectory(shown, labels, position=position, ax=ax)
-        x = np.arange(len(shown.layers))
-        for token_id in extra:
-            hits = shown.top_ids[:, position, :] == token_id
-            probs = np.where(hits, shown.top_probs[:, position, :], 0).sum(axis=1)
-            probs = np.where(hits.any(axis=1), probs, np.nan)
-            token = _token_of(shown, token_id)
-            ax.plot(x, probs, marker="x", linestyle=":", label=f"p({token!r}) where in top-k")
-            labels.append(token)
-        ax.set_ylim(0, 1)
-        ax.set_xticks(x, shown.layer_labels, fontsize=8)
-        ax.set_xlabel("layer")
-        ax.set_ylabel("probability")
-        ax.set_title(f"target tokens at position {shown.tokens[position]!r}", fontsize=10)
-        ax.legend(loc="upper left", fontsize=8)
-        ax.figure.tight_layout()
+        labels = list(shown.target_labels)
+        plot.trajectory(shown, labels, position=position, from_top_k=extra, ax=ax)
+        labels += [shown.top_k_trace(token_id, position)[0] for token_id in extra]
         self.trajectory_figure, self.trajectory_targets = ax.figure, labels
         self.trajectory.outputs = (
             figure_output(ax.figure, f"trajectory of {labels} at position {position}"),
@@ -632,8 +536,3 @@ def _other_request(request: dict[str, Any], other: str | None) -> dict[str, Any]
     if other is None:
         return None
     return {**{k: v for k, v in request.items() if k != "patch"}, "prompt": other}
-
-
-def _token_of(res: LensResult, token_id: int) -> str:
-    where = np.argwhere(res.top_ids == token_id)
-    return str(res.top_tokens[tuple(where[0])]) if len(where) else str(token_id)

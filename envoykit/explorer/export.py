@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from envoykit.errors import InvalidRequest
-from envoykit.explorer.assets import asset
+from envoykit.explorer.assets import asset, module
 from envoykit.explorer.payload import heatmap_data
 from envoykit.results.lens import LensResult
 
@@ -65,7 +65,7 @@ hover a cell for its top-{res.top_ids.shape[-1]}, click it to keep the tooltip o
 (Esc closes it)</p>
 <div id="ek-root"></div>
 <script type="application/json" id="ek-state">{_script_json(state)}</script>
-<script type="application/json" id="ek-heatmap-js">{_script_json(asset("heatmap.js"))}</script>
+<script type="application/json" id="ek-heatmap-js">{_script_json(module("heatmap.js"))}</script>
 <script type="module" src="data:text/javascript;base64,{script}"></script>
 </body></html>
 """

@@ -15,7 +15,7 @@ import anywidget
 import traitlets
 
 from envoykit.analyses.request import Row
-from envoykit.explorer.assets import asset
+from envoykit.explorer.assets import asset, module
 from envoykit.explorer.payload import heatmap_data
 from envoykit.explorer.rows import RESID, SUBLAYER_SITES, ordered, picked
 from envoykit.results.lens import LensResult
@@ -49,7 +49,7 @@ class Heatmap(anywidget.AnyWidget):
     sets it back to None, so the same drop made again is seen again.
     """
 
-    _esm = asset("heatmap.js")
+    _esm = module("heatmap.js")
     _css = asset("explorer.css")
     data = traitlets.Dict().tag(sync=True)
     metric = traitlets.Unicode("prob").tag(sync=True)
@@ -89,7 +89,7 @@ class LayerPicker(anywidget.AnyWidget):
     joins the two.
     """
 
-    _esm = asset("layer_picker.js")
+    _esm = module("layer_picker.js")
     _css = asset("explorer.css")
     layers = traitlets.List(traitlets.Dict()).tag(sync=True)
     selected = traitlets.List(traitlets.Int()).tag(sync=True)

@@ -57,31 +57,45 @@ def heatmap(
 
 
 def trajectory(
-    res: LensResult, targets: str | int | Sequence[str | int], *, position: int = -1, ax: Any = None
+    res: LensResult,
+    targets: str | int | Sequence[str | int],
+    *,
+    position: int = -1,
+    from_top_k: Sequence[int] = (),
+    ax: Any = None,
 ) -> Any:
-    """Probability (left axis) and rank (right axis, log scale) of targets across layers."""
+    """Probability (left axis) and rank (right axis, log scale) of targets across layers.
+
+    ``from_top_k`` adds tokens that are not targets, read from the top-k lists
+    (`LensResult.top_k_trace`): a dotted line with gaps where a token was not among the top k,
+    and no rank. ``position`` indexes ``res.positions``.
+    """
     import matplotlib.pyplot as plt
 
     targets = [targets] if isinstance(targets, (str, int)) else list(targets)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
-    ranks = ax.twinx()
     x = np.arange(len(res.layers))
-    for target in targets:
-        trace = res.target(target)
-        (line,) = ax.plot(x, trace.prob[:, position], marker="o", label=f"p({trace.token!r})")
-        ranks.plot(
-            x,
-            trace.rank[:, position] + 1,
-            linestyle="--",
-            color=line.get_color(),
-            label=f"rank({trace.token!r})",
-        )
+    if targets:
+        ranks = ax.twinx()
+        for target in targets:
+            trace = res.target(target)
+            (line,) = ax.plot(x, trace.prob[:, position], marker="o", label=f"p({trace.token!r})")
+            ranks.plot(
+                x,
+                trace.rank[:, position] + 1,
+                linestyle="--",
+                color=line.get_color(),
+                label=f"rank({trace.token!r})",
+            )
+        ranks.set_yscale("log")
+        ranks.invert_yaxis()
+        ranks.set_ylabel("rank (1 = top)")
+    for token_id in from_top_k:
+        token, probs = res.top_k_trace(token_id, position)
+        ax.plot(x, probs, marker="x", linestyle=":", label=f"p({token!r}) where in top-k")
     ax.set_ylim(0, 1)
     ax.set_ylabel("probability")
-    ranks.set_yscale("log")
-    ranks.invert_yaxis()
-    ranks.set_ylabel("rank (1 = top)")
     ax.set_xticks(x, res.layer_labels, fontsize=8)
     ax.set_xlabel("layer")
     ax.set_title(f"target tokens at position {res.tokens[position]!r}", fontsize=10)

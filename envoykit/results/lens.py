@@ -251,6 +251,25 @@ class LensResult(Result):
             for i, layer in enumerate(self.layers)
         ]
 
+    def top_k_trace(self, token_id: int, position: int = -1) -> tuple[str, np.ndarray]:
+        """The token text and ``[L]`` probability of a token that is not a target, read from
+        the top-k lists at one column: NaN at the rows where it was not among the top k.
+
+        It is what a stored result can say of a token nobody asked for; a target's trace
+        (`target`) is exact at every row.
+
+        >>> res = LensResult.example()
+        >>> res.top_k_trace(4)
+        ('w', array([0.3, 0.2, 0.1], dtype=float32))
+        >>> res.top_k_trace(99)[1]
+        array([nan, nan, nan], dtype=float32)
+        """
+        hits = self.top_ids[:, position, :] == token_id
+        probs = np.where(hits, self.top_probs[:, position, :], 0).sum(axis=1)
+        where = np.argwhere(self.top_ids == token_id)
+        token = str(self.top_tokens[tuple(where[0])]) if len(where) else str(token_id)
+        return token, np.where(hits.any(axis=1), probs, np.nan).astype(np.float32)
+
     # -- transforms ------------------------------------------------------------------------
 
     def select(

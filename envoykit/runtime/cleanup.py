@@ -87,13 +87,24 @@ def shutdown(llm: Any, processes: set[psutil.Process], janitor: Janitor, scratch
     segments = at_start | mapped_segments(processes) | engine_semaphores(processes)
     entry = getattr(llm, "vllm_entrypoint", None)
     if entry is not None:
-        with contextlib.suppress(Exception):  # a dead engine core has nothing left to stop
-            entry.llm_engine.engine_core.shutdown()
+        # A dead engine core has nothing left to stop; what is left of it is stopped below.
+        with contextlib.suppress(Exception):
+            stop_engine_core(entry)
     stop(processes, grace=10)
     for name in sorted(segments):
         unlink_segment(name)
     shutil.rmtree(scratch, ignore_errors=True)
     janitor.release()
+
+
+def stop_engine_core(entry: Any) -> None:
+    """Ask vLLM to stop the engine core of ``entry``: ``vllm.LLM`` holds the core's client in
+    its ``LLMEngine``; ``AsyncLLM`` (a served engine) holds it itself, and its own shutdown
+    also ends its output loop."""
+    if hasattr(entry, "llm_engine"):
+        entry.llm_engine.engine_core.shutdown()
+    else:
+        entry.shutdown()
 
 
 def stop(processes: set[psutil.Process], grace: float = 0) -> None:

@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from envoykit.engine import Engine
+from envoykit.engine import EngineLifetime
 from envoykit.errors import InvalidRequest
+from envoykit.model.readout import Readout
 from envoykit.runtime.janitor import Janitor
 from envoykit.serve import tokens
 from envoykit.serve.app import ServerState, install, small_files
@@ -55,20 +56,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger("envoykit.serve.server")
 
 
-class ServedEngine(Engine):
-    """An `Engine` in vLLM's async mode (``AsyncLLM``), for the server's event loop."""
+class ServedEngine(EngineLifetime):
+    """An engine in vLLM's async mode (``AsyncLLM``), for the server's event loop.
+
+    It has an engine's lifetime and none of `Engine`'s analyses: their traces are
+    synchronous, and an engine in async mode answers a trace only by being awaited on its
+    loop (the server runs what its clients send that way). For the same reason it is not
+    self-checked at load: its info says so (nothing validated, nothing failed).
+    """
 
     def __init__(self, model: str, tensor_parallel_size: int | None, **kwargs: Any) -> None:
         self._fingerprint: dict | None = None
         self._installing = asyncio.Lock()
-        # The self-check runs the analyses' synchronous traces, which an engine in async mode
-        # answers only on its event loop: a served engine is not self-checked at load (its
-        # info says so: nothing validated, nothing failed).
-        kwargs["validate"] = False
         super().__init__(model, tensor_parallel_size, mode="async", **kwargs)
 
-    def _announce(self) -> None:
-        """Nothing: the server prints its own line once it listens, with its URL."""
+    @property
+    def readout(self) -> Readout:
+        """Where this model's decoder layers, final norm and unembedding live."""
+        return self.model.readout
 
     def has_translator(self, key: str) -> bool:
         """Whether the ranks hold the translators of this key (a restart forgets them)."""
@@ -112,15 +117,6 @@ class ServedEngine(Engine):
             finished = await tracer.backend
             self._fingerprint = fingerprint_of(self.info, finished.saves["rows"])
         return self._fingerprint
-
-    def close(self) -> None:
-        """Shut the async engine's client down (its output loop, its engine core), then
-        close as any engine does."""
-        llm = self._llm
-        if llm is not None and llm.vllm_entrypoint is not None:
-            with contextlib.suppress(Exception):  # a dead engine has nothing left to stop
-                llm.vllm_entrypoint.shutdown()
-        super().close()
 
 
 def is_loopback(host: str) -> bool:
@@ -318,7 +314,7 @@ async def _watch(server: Any, engine: ServedEngine, state: ServerState, restart:
         )
 
 
-def _process_names(engine: Engine) -> dict[int, str]:
+def _process_names(engine: EngineLifetime) -> dict[int, str]:
     names = {}
     for process in engine.processes:
         with contextlib.suppress(Exception):

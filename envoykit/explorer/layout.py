@@ -1,0 +1,139 @@
+"""What a `LensExplorer` shows and where: its widgets, built and arranged, and nothing else.
+
+`ExplorerLayout` is the explorer's screen: the prompt boxes, the controls, the message line,
+the layer picker, the heatmaps, the compare and sweep panels, the trajectory and the
+attribution panel. `envoykit.explorer.controller` adds what they do.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+import ipywidgets as widgets
+
+from envoykit.explorer.attribution_panel import AttributionPanel
+from envoykit.explorer.compare_panel import ComparePanel
+from envoykit.explorer.sweep_panel import SweepPanel
+from envoykit.explorer.views import Heatmap, LayerPicker
+
+
+class ExplorerLayout(widgets.VBox):
+    """The widgets of an explorer, arranged: inputs beside the prompts, then the views.
+
+    ``readonly`` (a stored result) disables every input that would ask an engine.
+    """
+
+    def __init__(
+        self,
+        picker: LayerPicker,
+        *,
+        prompt: str,
+        targets: Sequence[str],
+        top_k: int,
+        compare_with: str,
+        metric_options: list[tuple[str, str]],
+        readonly: bool,
+    ) -> None:
+        self._build_inputs(prompt, targets, top_k, compare_with, metric_options, readonly)
+        self._build_views(picker)
+        super().__init__(self._arrange())
+
+    def _build_inputs(
+        self,
+        prompt: str,
+        targets: Sequence[str],
+        top_k: int,
+        compare_with: str,
+        metric_options: list[tuple[str, str]],
+        readonly: bool,
+    ) -> None:
+        self.prompt = widgets.Textarea(
+            value=prompt,
+            placeholder="prompt",
+            layout=widgets.Layout(width="100%", height="70px"),
+            disabled=readonly,
+        )
+        self.targets = widgets.Text(
+            value=",".join(targets),
+            description="targets",
+            placeholder="comma-separated, spaces kept: ' Paris, London'",
+            disabled=readonly,
+            layout=widgets.Layout(width="100%"),
+        )
+        self.tokenization = widgets.HTML()
+        self.metric = widgets.Dropdown(description="metric", options=metric_options)
+        self.metric.add_class("ek-metric")  # the page's handle on it, beside other menus
+        self.top_k = widgets.BoundedIntText(
+            value=top_k,
+            min=1,
+            max=1000,
+            description="top-k",
+            disabled=readonly,
+            layout=widgets.Layout(width="160px"),
+        )
+        self.lens_kind = widgets.Dropdown(
+            description="lens",
+            options=[("logit lens", "logit"), ("tuned lens", "tuned")],
+            layout=widgets.Layout(width="200px", display="none"),
+        )
+        self.run_button = widgets.Button(
+            description="Run", button_style="primary", icon="play", disabled=readonly
+        )
+        self.status = widgets.HTML("read-only: a stored LensResult" if readonly else "")
+        self.message = widgets.HTML()
+        self.compare = widgets.Checkbox(
+            value=bool(compare_with) and not readonly,
+            description="compare with a second prompt",
+            indent=False,
+            disabled=readonly,
+        )
+        self.other_prompt = widgets.Textarea(
+            value=compare_with,
+            placeholder="second prompt: compared with the first; drag a cell of its heatmap "
+            "onto the first's to patch it in",
+            layout=widgets.Layout(width="100%", height="50px"),
+            disabled=readonly,
+        )
+
+    def _build_views(self, picker: LayerPicker) -> None:
+        self.picker = picker
+        self.patch_note = widgets.HTML()
+        group = uuid.uuid4().hex  # drops from this explorer's second heatmap only
+        self.heatmap = Heatmap(drag_role="target", drag_group=group)
+        self.heatmap.add_class("ek-main-heatmap")
+        self.compare_panel = ComparePanel(group)
+        self.sweep_panel = SweepPanel()
+        self.sweep_panel.say(
+            "patches the second prompt's residual stream into the first at every picked "
+            "layer and position, for the token pinned last or the first target"
+        )
+        self.compare_box = widgets.VBox([self.compare_panel, self.sweep_panel])
+        self.trajectory = widgets.Output()
+        self.trajectory.add_class("ek-trajectory")
+        self.attribution_panel = AttributionPanel()
+
+    def _arrange(self) -> list[widgets.Widget]:
+        """Inputs beside the prompts, then the message line and the views, top to bottom."""
+        controls = widgets.VBox(
+            [
+                self.targets,
+                self.tokenization,
+                widgets.HBox([self.metric, self.top_k, self.lens_kind]),
+                widgets.HBox([self.run_button, self.status]),
+            ],
+            layout=widgets.Layout(width="55%"),
+        )
+        prompts = widgets.VBox(
+            [self.prompt, self.compare, self.other_prompt], layout={"width": "45%"}
+        )
+        return [
+            widgets.HBox([prompts, controls]),
+            self.message,
+            self.picker,
+            self.patch_note,
+            self.heatmap,
+            self.compare_box,
+            self.trajectory,
+            self.attribution_panel,
+        ]

@@ -6,7 +6,7 @@ and return whole tensors; a logit lens runs on the ranks and ships back only wha
 
 from envoykit import plot
 from envoykit.analyses.compare import Run, compare
-from envoykit.analyses.patching import Patch
+from envoykit.analyses.patching import Ablate, Patch
 from envoykit.analyses.tuned import LensQuality, TunedLens
 from envoykit.engine import Engine
 from envoykit.errors import (
@@ -16,6 +16,7 @@ from envoykit.errors import (
     ServerUnavailable,
     ShardedValue,
 )
+from envoykit.results.attention import AttentionResult
 from envoykit.results.attribution import AttributionResult
 from envoykit.results.compare import CompareResult
 from envoykit.results.lens import LensResult, TargetTrace
@@ -23,6 +24,8 @@ from envoykit.results.sweep import SweepResult
 from envoykit.runtime.info import ModelInfo
 
 __all__ = [
+    "Ablate",
+    "AttentionResult",
     "AttributionResult",
     "CompareResult",
     "Engine",

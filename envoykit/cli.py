@@ -1,8 +1,10 @@
-"""The ``envoykit`` command: ``info``, ``lens``, ``attribute``, ``serve`` and ``lab``.
+"""The ``envoykit`` command: ``models``, ``info``, ``lens``, ``tune``, ``attribute``,
+``attention``, ``serve`` and ``lab``.
 
 Engines need the ``if __name__ == "__main__"`` guard vLLM's spawned ranks expect; a console
-script's entry point provides it. ``info``, ``lens`` and ``attribute`` start an engine of
-their own, or with ``--server [URL]`` use a running ``envoykit serve``.
+script's entry point provides it. ``info``, ``lens``, ``tune``, ``attribute`` and
+``attention`` start an engine of their own, or with ``--server [URL]`` use a running
+``envoykit serve``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                 _tune(engine, args)
             elif args.command == "attribute":
                 _print_attribution(engine, args)
+            elif args.command == "attention":
+                _print_attention(engine, args)
             else:
                 _print_lens(engine, args)
     except EnvoykitError as error:
@@ -85,6 +89,16 @@ def _parser() -> argparse.ArgumentParser:
     attribute.add_argument("--target", action="append", required=True, help="one token")
     attribute.add_argument("--out", type=Path, default=Path("attribution.png"))
     attribute.add_argument("--json", type=Path, help="also write the AttributionResult")
+
+    attention = commands.add_parser(
+        "attention", help="attention pattern of one head, computed on the rank that holds it"
+    )
+    attention.add_argument("prompt")
+    _engine_options(attention)
+    attention.add_argument("--layer", type=int, required=True, help="decoder layer (1 = first)")
+    attention.add_argument("--head", type=int, required=True, help="head (0-based)")
+    attention.add_argument("--out", type=Path, default=Path("attention.png"))
+    attention.add_argument("--json", type=Path, help="also write the AttentionResult")
 
     _serve_options(commands)
     lab = commands.add_parser("lab", help="JupyterLab on notebooks/, bound to 127.0.0.1")
@@ -268,6 +282,28 @@ def _print_attribution(engine, args: argparse.Namespace) -> None:
         print(f"  logit({token!r}) = {res.logits[0, n]:.2f}; largest: {top}")
     figure = plot.attribution(res, res.target_labels[0])
     figure.savefig(args.out, dpi=120)
+    print(f"figure written to {args.out}")
+    if args.json:
+        res.to_json(str(args.json))
+        print(f"result written to {args.json}")
+
+
+def _print_attention(engine, args: argparse.Namespace) -> None:
+    from envoykit import plot
+
+    res = engine.attention(args.prompt, layers=[args.layer], heads=[args.head])
+    info = engine.info
+    layer, head = int(res.layers[0]), int(res.heads[0])
+    print(f"attention of {args.prompt!r} on {info.name}, layer {layer}, head {head}:")
+    print("most attended key per query:")
+    for row, query in enumerate(res.queries.tolist()):
+        weights = res.weights[0, 0, row]
+        key = int(res.keys[0, 0, row, weights.argmax()])
+        print(
+            f"  {query:>4} {res.tokens[query]!r:<14} -> {key:>4} {res.tokens[key]!r:<14} "
+            f"{weights.max():.3f}"
+        )
+    plot.attention(res, layer, head).savefig(args.out, dpi=120)
     print(f"figure written to {args.out}")
     if args.json:
         res.to_json(str(args.json))

@@ -171,6 +171,68 @@ def patched_logits(path: str, source: str, target: str, layer: int, position: in
         handle.remove()
 
 
+@torch.no_grad()
+def attentions(path: str, prompt: str) -> torch.Tensor | None:
+    """``[n_layers, heads, T, T]``: transformers' eager attention weights
+    (``output_attentions=True``); None where the model gives none."""
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    _, tokenizer = load(path)
+    out = model(torch.tensor([tokenizer(prompt)["input_ids"]]), output_attentions=True)
+    if not out.attentions or any(a is None for a in out.attentions):
+        return None
+    return torch.stack([a[0] for a in out.attentions]).float()
+
+
+# The projection an attention block's heads write through, by the names transformers gives it.
+_OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "dense", "out_proj")
+
+
+def _output_projection(layer) -> torch.nn.Module:
+    attn = next(getattr(layer, n) for n in _ATTENTIONS if hasattr(layer, n))
+    return next(getattr(attn, n) for n in _OUTPUT_PROJECTIONS if hasattr(attn, n))
+
+
+@torch.no_grad()
+def head_edited_logits(path: str, target: str, layer: int, head: int, edit: str, source: str = ""):
+    """The target's output logits ``[T, vocab]`` with head ``head`` (0-based) of decoder
+    layer ``layer`` (1-based) edited at its output projection's input: ``"patch"`` copies the
+    source's head at the last position into the target's last position, ``"zero"`` and
+    ``"mean"`` replace it at every position by zeros or by its mean over the positions."""
+    model, tokenizer = load(path)
+    layers, _ = _children(model)
+    projection = _output_projection(layers[layer - 1])
+    size = model.config.hidden_size // model.config.num_attention_heads
+    size = getattr(model.config, "head_dim", None) or size
+    columns = slice(head * size, (head + 1) * size)
+    captured: list[torch.Tensor] = []
+    if edit == "patch":
+        handle = projection.register_forward_pre_hook(
+            lambda m, a: captured.append(a[0][0, -1, columns].clone())
+        )
+        try:
+            model(torch.tensor([tokenizer(source)["input_ids"]]))
+        finally:
+            handle.remove()
+
+    def change(m, a):
+        x = a[0].clone()
+        if edit == "patch":
+            x[0, -1, columns] = captured[0]
+        elif edit == "zero":
+            x[0, :, columns] = 0.0
+        else:
+            x[0, :, columns] = x[0, :, columns].mean(0)
+        return (x, *a[1:])
+
+    handle = projection.register_forward_pre_hook(change)
+    try:
+        return model(torch.tensor([tokenizer(target)["input_ids"]])).logits[0].float()
+    finally:
+        handle.remove()
+
+
 SITES = {"parallel": ("attn", "mlp"), "sequential": ("attn", "resid_mid", "mlp")}
 
 
@@ -178,8 +240,9 @@ SITES = {"parallel": ("attn", "mlp"), "sequential": ("attn", "resid_mid", "mlp")
 def reference(path: str, prompt: str, other: str, parallel: bool) -> dict:
     """Everything the matrix tests compare against, computed in a fresh process: ``lens``
     ``[n_layers + 1, T, vocab]``, ``sites`` (site -> ``[n_layers, T, vocab]``), ``patched``
-    (``other``'s logits with ``prompt``'s stream after layer 2 at the last position) and
-    ``soft_cap`` (the model's final logit soft-cap, or None)."""
+    (``other``'s logits with ``prompt``'s stream after layer 2 at the last position),
+    ``soft_cap`` (the model's final logit soft-cap, or None) and ``attentions`` (eager
+    attention weights ``[n_layers, heads, T, T]``, or None)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "reference.pt"
         args = [path, prompt, other, str(int(parallel)), str(out)]
@@ -200,6 +263,10 @@ def _main(path: str, prompt: str, other: str, parallel: str, out: str) -> None:
             "sites": {site: site_logits(path, prompt, flag, site) for site in names},
             "patched": patched_logits(path, prompt, other, layer=2, position=-1),
             "soft_cap": getattr(model.config, "final_logit_softcapping", None),
+            "attentions": attentions(path, prompt),
+            "head_patched": head_edited_logits(path, other, 2, 1, "patch", source=prompt),
+            "head_zero": head_edited_logits(path, prompt, 2, 1, "zero"),
+            "head_mean": head_edited_logits(path, prompt, 2, 1, "mean"),
         },
         out,
     )

@@ -128,6 +128,100 @@ def test_a_mid_layer_patch_equals_a_hook_patch(case):
     _assert_lens_matches(res, case.ref["patched"][None])
 
 
+def test_attention_patterns_equal_transformers_eager(case):
+    engine = case.engine
+    if isinstance(engine.readout.heads, str):  # multi-head latent attention (DeepSeek)
+        with pytest.raises(ek.InvalidRequest, match="no standard attention kernel"):
+            engine.attention(PROMPT)
+        return
+    want = case.ref["attentions"].numpy()
+    res = engine.attention(PROMPT)
+    assert res.weights.shape == want.shape
+    # The first layer's queries and keys come from the embedding, the same on both sides:
+    # there the pattern is exact to float32 rounding. Deeper, vLLM's and transformers'
+    # streams drift apart by float32 rounding too, amplified in the tiny models' sharp
+    # attention (measured at most 2.4e-5, GPT-OSS's fourth layer).
+    np.testing.assert_allclose(res.weights[0], want[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(res.weights, want, atol=5e-5, rtol=0)
+    sums = res.weights.astype(np.float64).sum(-1)
+    if case.name == "gpt_oss":  # its sinks take a share of every row
+        assert (sums < 1 - 1e-3).any() and (sums <= 1 + 1e-5).all()
+    else:
+        np.testing.assert_allclose(sums, 1.0, atol=1e-5)
+    top = engine.attention(PROMPT, layers=[-1], heads=[0, -1], queries=[-1], top_k=2)
+    last = want[-1][[0, -1]][:, -1:]  # [heads, 1, T]
+    np.testing.assert_allclose(top.weights[0], -np.sort(-last, -1)[..., :2], atol=5e-5)
+    full = res.weights[-1][[0, -1]][:, -1:]
+    np.testing.assert_array_equal(top.keys[0], np.argsort(-full, -1, kind="stable")[..., :2])
+
+
+def test_attention_patterns_reproduce_the_kernels_own_output(case):
+    """At TP=1 the kernel's output is whole: the pattern times the kernel's values must be
+    it (float32 rounding, relative to the output), at every layer, with no drift between
+    two implementations in the way."""
+    import nnsight
+
+    from envoykit.model.readout import at, rank_inputs
+    from envoykit.ranks.heads import local_patterns, query_key
+
+    engine = case.engine
+    if engine.info.tp != 1 or isinstance(engine.readout.heads, str):
+        pytest.skip("the kernel's output is one rank's piece at TP > 1, or there is no kernel")
+    layout, model, path = engine.readout.heads, engine.model, engine.readout.layers
+    with engine.trace(PROMPT):
+        layers = at(model, path)
+        gaps = nnsight.save([])
+        for layer in layers:
+            kernel = at(layer, layout.attention)
+            args, kwargs = rank_inputs(kernel)
+            query, key = query_key(args, kwargs)
+            value = args[2] if len(args) > 2 else kwargs["value"]
+            weights = local_patterns(kernel._module, query, key, torch.arange(key.shape[0]))
+            size = value.shape[-1] // layout.n_kv_heads
+            v = value.float().unflatten(-1, (-1, size))
+            v = v.repeat_interleave(layout.n_heads // layout.n_kv_heads, dim=1)
+            mixed = torch.einsum("hqk,khd->qhd", weights, v).flatten(1)
+            out = kernel.output
+            out = (out[0] if isinstance(out, tuple) else out).float().reshape(mixed.shape)
+            gaps.append(float((mixed - out).abs().max() / out.abs().max()))
+    assert max(gaps) < 1e-5, gaps  # relative to the output's largest value
+
+
+def test_head_patching_and_ablation_equal_hook_edits(case):
+    engine = case.engine
+    patch = ek.Patch(PROMPT, layer=2, site="head", head=1)
+    if isinstance(engine.readout.heads, str):
+        with pytest.raises(ek.InvalidRequest, match="head patching"):
+            engine.lens(OTHER, layers=[-1], patch=patch)
+        return
+    res = engine.lens(OTHER, layers=[-1], top_k=5, patch=patch)
+    _assert_lens_matches(res, case.ref["head_patched"][None])
+    for kind in ("zero", "mean"):
+        res = engine.lens(PROMPT, layers=[-1], top_k=5, patch=ek.Ablate(2, 1, kind=kind))
+        _assert_lens_matches(res, case.ref[f"head_{kind}"][None])
+    clean = engine.lens(PROMPT, layers=[-1], top_k=5)
+    assert not np.allclose(clean.top_probs, res.top_probs, atol=1e-6)  # the edit took effect
+
+
+def test_head_attribution_adds_up_to_each_layers_attention(case):
+    engine = case.engine
+    if isinstance(engine.readout.heads, str):
+        with pytest.raises(ek.InvalidRequest, match="per-head attributions"):
+            engine.attribute(PROMPT, TARGETS, heads=True)
+        return
+    family = _family(architectures.ARCHITECTURES[case.name])
+    if family.name in ("gemma2", "hf-post-norm"):  # a norm follows the attention
+        with pytest.raises(ek.InvalidRequest, match="not its heads' writes summed"):
+            engine.attribute(PROMPT, TARGETS, heads=True)
+        return
+    att = engine.attribute(PROMPT, TARGETS, heads=True)  # its constructor checks the sum
+    n_positions = len(att.positions)
+    assert att.head_values.shape == (engine.info.n_layers, engine.info.n_heads, n_positions, 2)
+    plain = engine.attribute(PROMPT, TARGETS)
+    np.testing.assert_allclose(att.values, plain.values, atol=1e-5)
+    assert np.abs(att.head_values).max() > 0
+
+
 def test_compare_sweep_generation_and_tuned_lens_run(case):
     engine = case.engine
     diff = ek.compare((engine, PROMPT), (engine, OTHER), targets=TARGETS[:1])

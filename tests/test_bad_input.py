@@ -65,3 +65,44 @@ def test_compare_refuses_what_it_would_drop(tiny2, option):
     name = next(iter(option))
     with pytest.raises(ek.InvalidRequest, match=f"compare=True does not take {name}="):
         tiny2.lens([PROMPT, "The capital of Italy is"], compare=True, **option)
+
+
+ATTENTION_CASES = [
+    ("layer 0", dict(layers=[0]), "the embedding, which has no attention"),
+    ("layer out of range", dict(layers=[9]), "layer 9 does not exist"),
+    ("head out of range", dict(heads=[4]), r"head 4 is out of range: this model has 4 heads"),
+    ("negative head out of range", dict(heads=[-5]), "out of range"),
+    ("no heads", dict(heads=[]), "no heads given"),
+    ("head of the wrong type", dict(heads=["0"]), "out of range"),
+    ("query out of range", dict(queries=[40]), "outside the prompt"),
+    ("top_k zero", dict(top_k=0), r"top_k must be None \(every key\) or an integer >= 1"),
+    ("prompt list", dict(prompt=[PROMPT, PROMPT]), "one prompt"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs", "message"), ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES]
+)
+def test_attention_refusals_leave_the_engine_answering(tiny2, before, case, kwargs, message):
+    kwargs = {"prompt": PROMPT, **kwargs}
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(ek.InvalidRequest, match=message):
+        tiny2.attention(prompt, **kwargs)
+    assert_same_lens(tiny2.lens(PROMPT, top_k=3), before)
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        (ek.Ablate(1, 7), "ablation head 7 is out of range"),
+        (ek.Ablate(0, 1), "the embedding .layer 0. has only the 'resid' site"),
+        (ek.Ablate(1, 1, kind="half"), "kind is 'zero' or 'mean'"),
+        (ek.Patch(PROMPT, 1, site="head"), "patch head None is out of range"),
+        (ek.Patch(PROMPT, 1, site="attn", head=1), "head= goes with site='head'"),
+    ],
+    ids=["head out of range", "embedding", "unknown kind", "no head", "head without site"],
+)
+def test_head_edit_refusals_leave_the_engine_answering(tiny2, before, patch, message):
+    with pytest.raises(ek.InvalidRequest, match=message):
+        tiny2.lens(PROMPT, patch=patch)
+    assert_same_lens(tiny2.lens(PROMPT, top_k=3), before)

@@ -229,6 +229,21 @@ def test_multi_trace_requests_equal_in_process(client, tiny2):
     np.testing.assert_allclose(remote.js, local.js, atol=1e-9)
 
 
+def test_attention_heads_and_head_edits_equal_in_process(client, tiny2):
+    """Patterns, per-head attribution, an ablation and a head patch, through the server."""
+    kwargs = dict(layers=[1, -1], heads=[0, 3], queries=[-1], top_k=3)
+    remote, local = client.attention(PROMPT, **kwargs), tiny2.attention(PROMPT, **kwargs)
+    np.testing.assert_array_equal(remote.keys, local.keys)
+    np.testing.assert_allclose(remote.weights, local.weights, atol=1e-6)
+    a, b = client.attribute(PROMPT, [5], heads=True), tiny2.attribute(PROMPT, [5], heads=True)
+    np.testing.assert_allclose(a.head_values, b.head_values, atol=1e-5)
+    edits = [
+        ek.Ablate(2, 1, kind="mean"),
+        ek.Patch("The capital of Italy is", 3, site="head", head=2),
+    ]
+    assert_same_lens(client.lens(PROMPT, patch=edits), tiny2.lens(PROMPT, patch=edits))
+
+
 def test_generation_and_plain_traces_run_on_the_server(client, tiny2):
     assert client.generate_ids(PROMPT, 8) == tiny2.generate_ids(PROMPT, 8)
     assert client.generate(PROMPT, 8) == tiny2.generate(PROMPT, 8)

@@ -33,7 +33,9 @@ from envoykit.analyses.request import (
     single_token_target,
 )
 from envoykit.errors import InvalidRequest
+from envoykit.model.envoys import gather_ranks
 from envoykit.model.readout import Readout, at, norm_parameters, normalize, walk
+from envoykit.ranks.heads import head_writes
 from envoykit.results.attribution import AttributionResult
 
 
@@ -45,6 +47,7 @@ class AttributionRequest:
     prompt_ids: tuple[int, ...]
     targets: tuple[Target, ...]
     positions: tuple[int, ...] | None
+    heads: bool = False
 
 
 def build_request(
@@ -54,8 +57,11 @@ def build_request(
     prompt: str,
     targets: str | int | Sequence[str | int],
     positions: int | Sequence[int] | None = None,
+    heads: bool = False,
 ) -> AttributionRequest:
     """Check an attribution request before anything reaches the ranks."""
+    if not isinstance(heads, bool):
+        raise InvalidRequest(f"heads takes True or False, not {heads!r}")
     if not isinstance(prompt, str):
         raise InvalidRequest(f"attribute takes one prompt (a string), not {type(prompt).__name__}")
     (prompt,) = normalise_prompts(prompt)
@@ -74,6 +80,7 @@ def build_request(
         prompt_ids=ids,
         targets=tuple(single_token_target(tokenizer, vocab, t) for t in wanted),
         positions=normalise_positions(positions, len(ids)),
+        heads=heads,
     )
 
 
@@ -94,7 +101,8 @@ def attribution_statistics(
     targets]``, ``bias`` ``[positions, targets]`` (what the final norm's bias and the head's
     bias add, the same at every position), ``logits`` (the model's pre-soft-cap logit, from
     its own final norm) and ``model_logits`` (what the head returns, soft-cap included),
-    both ``[positions, targets]``.
+    both ``[positions, targets]``, and ``directions`` ``[positions, targets, d_model]``: what
+    a write into the stream is dotted with to give its contribution (`head_statistics`).
     """
     value, residual = final
     ids = torch.tensor(list(targets), dtype=torch.long, device=value.device)
@@ -104,25 +112,66 @@ def attribution_statistics(
     head_bias = head.bias_of(ids).float()
     affine = norm_parameters(norm, normed.shape[-1], normed)
     stream = value.float() if residual is None else value.float() + residual.float()
+    picked = slice(None) if positions is None else positions.to(value.device)
     centered = affine["centered"]
 
     def centre(x: torch.Tensor) -> torch.Tensor:
         return x - centered * x.mean(-1, keepdim=True)
 
-    frozen = torch.rsqrt(centre(stream).pow(2).mean(-1, keepdim=True) + affine["eps"])
-    stacked = torch.stack([centre(part.float()) for part in parts])
-    values = (stacked * (frozen * affine["gain"])) @ rows.T * logit_scale
-    bias = (affine["bias"] @ rows.T + head_bias).expand(stream.shape[0], -1) * logit_scale
-    logits = (normed.float() @ rows.T + head_bias) * logit_scale
-    if positions is not None:
-        picked = positions.to(values.device)
-        values, bias, logits, model_logits = (
-            values[:, picked],
-            bias[picked],
-            logits[picked],
-            model_logits[picked],
+    # Centring is a symmetric projection: centre(x) . v == x . centre(v), so a write's
+    # contribution is the write dotted with one direction per position and target.
+    frozen = torch.rsqrt(centre(stream[picked]).pow(2).mean(-1, keepdim=True) + affine["eps"])
+    directions = centre((frozen * affine["gain"])[:, None, :] * rows[None]) * logit_scale
+    stacked = torch.stack([part[picked].float() for part in parts])
+    values = torch.einsum("cpd,pnd->cpn", stacked, directions)
+    bias = (affine["bias"] @ rows.T + head_bias) * logit_scale
+    logits = (normed[picked].float() @ rows.T + head_bias) * logit_scale
+    return {
+        "values": values,
+        "bias": bias.expand(logits.shape[0], -1),
+        "logits": logits,
+        "model_logits": model_logits[picked],
+        "directions": directions,
+    }
+
+
+def head_statistics(
+    projection: Any,
+    heads_in: torch.Tensor,
+    attn_write: torch.Tensor,
+    directions: torch.Tensor,
+    positions: torch.Tensor | None,
+    head_size: int,
+) -> dict[str, torch.Tensor]:
+    """One layer's attention contribution split into its heads, on this rank.
+
+    Each rank projects its own heads' writes (`envoykit.ranks.heads.head_writes`) on the
+    ``directions`` (`attribution_statistics`); the group gathers ``[heads, positions,
+    targets]``. The layer's attention write into the stream is the sum of the heads' writes
+    and the projection's bias times one factor (1, or Granite's residual multiplier), found
+    by least squares and checked: a write that is not that (a norm after the attention)
+    raises `InvalidRequest` instead of a split that does not add up.
+    """
+    picked = slice(None) if positions is None else positions.to(attn_write.device)
+    writes = head_writes(projection, heads_in[picked], head_size)
+    total = gather_ranks(writes.sum(0)).sum(0)
+    bias = getattr(projection, "bias", None)
+    bias = torch.zeros_like(total[0]) if bias is None else bias.float().to(total.device)
+    summed = (total + bias).double()
+    written = attn_write[picked].double()
+    factor = (written * summed).sum() / (summed * summed).sum().clamp_min(1e-30)
+    gap = (written - factor * summed).norm() / written.norm().clamp_min(1e-30)
+    if gap > 1e-3:
+        raise InvalidRequest(
+            "this layer's attention write is not its heads' writes summed (a norm or another "
+            f"nonlinear map follows the output projection; relative gap {float(gap):.2g}): "
+            "per-head attribution would not add up"
         )
-    return {"values": values, "bias": bias, "logits": logits, "model_logits": model_logits}
+    local = torch.einsum("hpd,pnd->hpn", writes, directions) * factor.float()
+    return {
+        "heads": gather_ranks(local).flatten(0, 1),
+        "bias": torch.einsum("d,pnd->pn", bias, directions) * factor.float(),
+    }
 
 
 def run(
@@ -144,19 +193,39 @@ def run(
     target_ids = [t.token_id for t in request.targets]
     processor = model._module.logits_processor
     logit_scale = float(processor.scale)
-    # The embedding, each layer's two writes, and the final stream: the writes sum to it.
-    reads = {0: {"resid"}} | {layer: {"attn", "mlp"} for layer in range(1, n + 1)}
-    reads[n] = {"attn", "mlp", "resid"}
-    with model.trace(request.prompt, temperature=0.0, max_tokens=1):
+    # The embedding, each layer's two writes, and the final stream: the writes sum to it;
+    # with heads, each layer's heads' projection input too.
+    extra = {"heads"} if request.heads else set()
+    reads = {0: {"resid"}} | {layer: {"attn", "mlp"} | extra for layer in range(1, n + 1)}
+    reads[n] = {"attn", "mlp", "resid"} | extra
+    layout = readout.require_heads("per-head attributions") if request.heads else None
+    with guard(), model.trace(request.prompt, temperature=0.0, max_tokens=1):
         # Envoys found from the root inside the trace: shipped with the root, the unembedding
         # envoy can reach the model's logits processor on the rank.
         norm = at(model, readout.final_norm)
         head = at(model, readout.unembedding)
-        rows = walk(readout, at(model, readout.layers), reads, {})
+        layer_list = at(model, readout.layers)
+        heads_in: dict[int, torch.Tensor] = {}
+        rows = walk(readout, layer_list, reads, {}, heads=heads_in)
         parts = [value for value, _ in rows[:-1]]
         stats = attribution_statistics(
             norm, head, parts, rows[-1], positions, target_ids, logit_scale
         )
+        directions = stats.pop("directions")
+        if layout is not None:
+            split = [
+                head_statistics(
+                    at(layer_list[layer - 1], layout.output)._module,
+                    heads_in[layer],
+                    parts[2 * layer - 1],
+                    directions,
+                    positions,
+                    layout.head_size,
+                )
+                for layer in range(1, n + 1)
+            ]
+            stats["head_values"] = torch.stack([s["heads"] for s in split])
+            stats["head_bias"] = torch.stack([s["bias"] for s in split])
         stats = nnsight.save({key: value.cpu() for key, value in stats.items()})
     tokenizer = model.tokenizer
     ids = list(request.prompt_ids)
@@ -179,6 +248,8 @@ def run(
         values=values,
         logits=stats["logits"].numpy(),
         model_logits=stats["model_logits"].numpy(),
+        head_values=stats["head_values"].numpy() if "head_values" in stats else None,
+        head_bias=stats["head_bias"].numpy() if "head_bias" in stats else None,
         meta={
             **meta,
             "soft_cap": processor.soft_cap,

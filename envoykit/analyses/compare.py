@@ -159,7 +159,7 @@ def _writes(run: Run, ids: list[int]) -> list[Write]:
     if not patches:
         return []
     engine = run.engine
-    plan = plan_writes(engine.tokenizer, patches, ids, engine.info.n_layers)
+    plan = plan_writes(engine.tokenizer, patches, ids, engine.info.n_layers, engine._heads(patches))
     return source_writes(engine.model, engine.readout, plan, engine.exclusive)
 
 

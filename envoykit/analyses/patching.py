@@ -16,7 +16,13 @@ What a cell holds, by site (read and written through the model's layer family, s
 * ``resid_mid`` — the stream between attention and MLP, likewise;
 * ``attn`` / ``mlp`` — what that block writes, copied alone: the rest of the target's stream
   stays its own (the stream becomes the target's own stream before the block plus the
-  source's write).
+  source's write);
+* ``head`` — one attention head's output (its slice of the output projection's input,
+  ``head_size`` numbers): the layer's other heads stay the target's own.
+
+`Ablate` removes a head instead: its output becomes zero, or its mean over the run's own
+positions, at every position (or one). Both kinds are planned by `plan_writes` and written
+through the same walk as every other write.
 """
 
 from __future__ import annotations
@@ -48,12 +54,51 @@ class Patch:
     source_position: int = -1
     target_position: int = -1
     site: str = "resid"
+    head: int | None = None
+
+
+@dataclass(frozen=True)
+class Ablate:
+    """Remove head ``head`` of decoder layer ``layer`` from the run: its output (its slice of
+    the output projection's input) becomes zero (``kind="zero"``) or its mean over the run's
+    positions (``kind="mean"``), at ``position`` (None: every position)."""
+
+    layer: int | str
+    head: int
+    kind: str = "zero"
+    position: int | None = None
+
+    @property
+    def site(self) -> str:
+        return "head"
+
+
+@dataclass(frozen=True)
+class PatchPlan:
+    """Checked patches: per source prompt the (source cell, target cell) pairs to copy, and
+    the writes that need no source (ablations)."""
+
+    copies: dict[str, list[tuple[Cell, Cell]]]
+    direct: list[Write]
+
+
+def _check_head(head: Any, n_heads: int | None, what: str) -> int:
+    if n_heads is None:
+        raise InvalidRequest(f"a {what} names a head, and this model's heads cannot be read")
+    if isinstance(head, bool) or not isinstance(head, int) or not -n_heads <= head < n_heads:
+        raise InvalidRequest(
+            f"{what} head {head!r} is out of range: the model has {n_heads} heads "
+            f"(0..{n_heads - 1})"
+        )
+    return head % n_heads
 
 
 def check_cell(layer: Any, site: str, position: Any, n_layers: int, length: int, what: str) -> Cell:
     """A patch location checked against the model and the prompt's length."""
-    if site not in SITES:
-        raise InvalidRequest(f"unknown site {site!r} in a {what}: a site is one of {SITES}")
+    if site not in (*SITES, "head"):
+        raise InvalidRequest(
+            f"unknown site {site!r} in a {what}: a site is one of {(*SITES, 'head')}"
+        )
     (number,) = normalise_layers([layer], n_layers)
     if number == 0 and site != "resid":
         raise InvalidRequest(f"the embedding (layer 0) has only the 'resid' site, not {site!r}")
@@ -67,23 +112,35 @@ def check_cell(layer: Any, site: str, position: Any, n_layers: int, length: int,
     return Cell(number, site, position % length)
 
 
-def as_patches(patch: Patch | Sequence[Patch] | None) -> list[Patch]:
-    """One patch, a list of them, or None, as a list; anything else is refused."""
+def as_patches(patch: Patch | Ablate | Sequence[Patch | Ablate] | None) -> list[Patch | Ablate]:
+    """One patch or ablation, a list of them, or None, as a list; anything else is refused."""
     if patch is None:
         return []
-    patches = [patch] if isinstance(patch, Patch) else list(patch)
+    patches = [patch] if isinstance(patch, (Patch, Ablate)) else list(patch)
     for item in patches:
-        if not isinstance(item, Patch):
-            raise InvalidRequest(f"patch takes ek.Patch objects, not {type(item).__name__}")
+        if not isinstance(item, (Patch, Ablate)):
+            raise InvalidRequest(
+                f"patch takes ek.Patch and ek.Ablate objects, not {type(item).__name__}"
+            )
     return patches
 
 
 def plan_writes(
-    tokenizer: Any, patches: list[Patch], target_ids: Sequence[int], n_layers: int
-) -> dict[str, list[tuple[Cell, Cell]]]:
-    """Per source prompt, the (source cell, target cell) pairs to copy, all checked."""
-    plan: dict[str, list[tuple[Cell, Cell]]] = {}
+    tokenizer: Any,
+    patches: list[Patch | Ablate],
+    target_ids: Sequence[int],
+    n_layers: int,
+    heads: tuple[int, int] | None = None,
+) -> PatchPlan:
+    """The checked plan of ``patches`` into a target of ``target_ids``; ``heads`` is the
+    model's ``(number of heads, head size)`` where its heads can be read."""
+    copies: dict[str, list[tuple[Cell, Cell]]] = {}
+    direct: list[Write] = []
+    n_heads, size = heads if heads is not None else (None, None)
     for patch in patches:
+        if isinstance(patch, Ablate):
+            direct.append(_ablation(patch, n_layers, len(target_ids), n_heads, size))
+            continue
         (source,) = normalise_prompts(patch.source)
         n_source = len(tokenizer(source)["input_ids"])
         src = check_cell(
@@ -92,8 +149,25 @@ def plan_writes(
         dst = check_cell(
             patch.layer, patch.site, patch.target_position, n_layers, len(target_ids), "target"
         )
-        plan.setdefault(source, []).append((src, dst))
-    return plan
+        if patch.site == "head":
+            head = _check_head(patch.head, n_heads, "patch")
+            src, dst = (Cell(c.layer, "head", c.position, head) for c in (src, dst))
+        elif patch.head is not None:
+            raise InvalidRequest(f"head= goes with site='head', not site={patch.site!r}")
+        copies.setdefault(source, []).append((src, dst))
+    return PatchPlan(copies, direct)
+
+
+def _ablation(
+    ablate: Ablate, n_layers: int, length: int, n_heads: int | None, size: int | None
+) -> Write:
+    if ablate.kind not in ("zero", "mean"):
+        raise InvalidRequest(f"an ablation's kind is 'zero' or 'mean', not {ablate.kind!r}")
+    head = _check_head(ablate.head, n_heads, "ablation")
+    position = -1 if ablate.position is None else ablate.position
+    cell = check_cell(ablate.layer, "head", position, n_layers, length, "ablation")
+    cell = Cell(cell.layer, "head", None if ablate.position is None else cell.position, head)
+    return Write(cell, torch.zeros(size) if ablate.kind == "zero" else None)
 
 
 def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell]) -> list[Write]:
@@ -101,16 +175,32 @@ def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell])
     cell, still at the cell's own position."""
     import nnsight
 
-    rows = sorted({(c.layer, c.site) for c in cells}, key=lambda r: (r[0], SITES.index(r[1])))
+    stream_cells = {(c.layer, c.site) for c in cells if c.site != "head"}
+    rows = sorted(stream_cells, key=lambda r: (r[0], SITES.index(r[1])))
     reads: dict[int, set[str]] = {}
     for layer, site in rows:
         reads.setdefault(layer, set()).add(site)
+    for cell in cells:
+        if cell.site == "head":
+            reads.setdefault(cell.layer, set()).add("heads")
     with model.trace(prompt, temperature=0.0, max_tokens=1):
-        streams = walk(readout, at(model, readout.layers), reads, {})
-        saved = nnsight.save([(a.cpu(), None if b is None else b.cpu()) for a, b in streams])
+        heads: dict[int, torch.Tensor] = {}
+        streams = walk(readout, at(model, readout.layers), reads, {}, heads=heads)
+        saved = nnsight.save(
+            (
+                [(a.cpu(), None if b is None else b.cpu()) for a, b in streams],
+                {layer: value.cpu() for layer, value in heads.items()},
+            )
+        )
+    stream_values, head_values = saved
+    size = None if isinstance(readout.heads, str) else readout.heads.head_size
     writes = []
     for cell in cells:
-        value, residual = dict(zip(rows, saved))[cell.layer, cell.site]
+        if cell.site == "head":
+            columns = slice(cell.head * size, (cell.head + 1) * size)
+            writes.append(Write(cell, head_values[cell.layer][cell.position, columns]))
+            continue
+        value, residual = dict(zip(rows, stream_values))[cell.layer, cell.site]
         pair = None if residual is None else residual[cell.position]
         writes.append(Write(cell, value[cell.position], pair))
     return writes
@@ -124,17 +214,17 @@ def write_cells(model: Any, readout: Readout, writes: Sequence[Write]) -> None:
 def source_writes(
     model: Any,
     readout: Readout,
-    plan: dict[str, list[tuple[Cell, Cell]]],
+    plan: PatchPlan,
     guard: Callable[[], AbstractContextManager],
 ) -> list[Write]:
     """Read every source once, each trace under ``guard``; the values, moved to their
-    target cells."""
+    target cells, then the writes that need no source."""
     writes = []
-    for source, pairs in plan.items():
+    for source, pairs in plan.copies.items():
         with guard():
             read = read_cells(model, readout, source, [src for src, _ in pairs])
         writes += [Write(dst, item.value, item.residual) for item, (_, dst) in zip(read, pairs)]
-    return writes
+    return writes + plan.direct
 
 
 def next_token_metric(

@@ -26,8 +26,9 @@ from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Readout
 
 if TYPE_CHECKING:
-    from envoykit.analyses.patching import Patch
+    from envoykit.analyses.patching import Ablate, Patch
     from envoykit.analyses.tuned import TunedLens
+    from envoykit.results.attention import AttentionResult
     from envoykit.results.attribution import AttributionResult
     from envoykit.results.compare import CompareResult
     from envoykit.results.sweep import SweepResult
@@ -90,7 +91,7 @@ class EngineSurface:
         generate: int = 0,
         sites: str | Sequence[str] = ("resid",),
         reduce_dtype: str = "float32",
-        patch: Patch | Sequence[Patch] | None = None,
+        patch: Patch | Ablate | Sequence[Patch | Ablate] | None = None,
         compare: bool = False,
         translator: TunedLens | None = None,
     ) -> Any:
@@ -103,7 +104,8 @@ class EngineSurface:
         ``targets``: strings (their first token) or token ids. ``generate=N`` also lenses
         the N greedily generated tokens. ``reduce_dtype``: precision of the reductions on
         the ranks ("float32", or "float64"). A list of prompts gives a list of results
-        (one trace). ``patch``: an `ek.Patch` or a list of them; the result is the lens of
+        (one trace). ``patch``: an `ek.Patch`, an `ek.Ablate` (a head removed) or a list of
+        them; the result is the lens of
         the patched run (see `envoykit.analyses.patching`), and its ``meta["patches"]`` says so.
         ``compare=True`` with two prompts gives their `CompareResult` (`envoykit.analyses.compare`).
         ``translator``: a `TunedLens` of this model; the residual-stream rows go through its
@@ -151,15 +153,24 @@ class EngineSurface:
         results = lens.run(model, readout, req, meta, guard, writes=writes, translator=key)
         return results if isinstance(prompt, (list, tuple)) else results[0]
 
-    def _patch_plan(self, req: Any, patches: list[Patch]) -> dict:
+    def _patch_plan(self, req: Any, patches: list[Patch | Ablate]) -> Any:
         """Where each patch writes in the one prompt of ``req`` (`patching.plan_writes`)."""
         from envoykit.analyses import patching
 
-        if not patches:
-            return {}
-        if len(req.prompts) != 1:
+        if len(req.prompts) != 1 and patches:
             raise InvalidRequest("a patch goes into one target prompt, not a list of them")
-        return patching.plan_writes(self.tokenizer, patches, req.prompt_ids[0], self.info.n_layers)
+        ids = req.prompt_ids[0] if patches else ()
+        return patching.plan_writes(
+            self.tokenizer, patches, ids, self.info.n_layers, self._heads(patches)
+        )
+
+    def _heads(self, patches: Sequence[Patch | Ablate]) -> tuple[int, int] | None:
+        """The model's (heads, head size) when a patch names a head; refused where its heads
+        cannot be read."""
+        if not any(p.site == "head" for p in patches):
+            return None
+        layout = self.readout.require_heads("head patching and ablation")
+        return layout.n_heads, layout.head_size
 
     def _translator_for(self, req: Any, translator: TunedLens) -> str:
         """The key of ``translator`` installed on the ranks, for a request of stream rows."""
@@ -190,26 +201,68 @@ class EngineSurface:
         a, b = prompts
         return compare((self, a), (self, b), layers=layers, positions=positions, targets=targets)
 
+    def attention(
+        self,
+        prompt: str,
+        *,
+        layers: Any = None,
+        heads: Any = None,
+        queries: Any = None,
+        top_k: int | None = None,
+    ) -> AttentionResult:
+        """Attention patterns of ``prompt``, each computed on the rank that holds its head.
+
+        ``layers``: decoder layers as in `lens` (None: every one; the embedding has none).
+        ``heads``: head numbers over the whole model (None: every head; negatives count from
+        the end). ``queries``: token positions whose patterns are kept (None: every one).
+        ``top_k``: keep only each query's k most attended keys (for long prompts).
+
+        Returns an `AttentionResult` ``[layers, heads, queries, keys]``, equal to the
+        model's own attention weights (transformers' eager ``output_attentions``).
+        """
+        from envoykit.analyses import attention
+
+        layout = self.readout.require_heads()
+        info = self.info
+        req = attention.build_request(
+            self.tokenizer,
+            layout,
+            info.n_layers,
+            info.max_model_len,
+            prompt,
+            layers=layers,
+            heads=heads,
+            queries=queries,
+            top_k=top_k,
+        )
+        return attention.run(self.model, self.readout, req, self._result_meta(), self.exclusive)
+
     def attribute(
         self,
         prompt: str,
         targets: str | int | Sequence[str | int],
         *,
         positions: int | Sequence[int] | None = None,
+        heads: bool = False,
     ) -> AttributionResult:
         """Direct logit attribution: how much the embedding and each layer's attention and
         MLP write into each target's final logit, at each position (see
         `envoykit.analyses.attribution`). Targets must be single tokens (strings or ids).
+        ``heads=True`` also splits each layer's attention contribution into its heads,
+        each computed on the rank that holds it (``head_values``).
 
-        Returns an `AttributionResult` whose ``values.sum(0)`` equals its ``logits``.
+        Returns an `AttributionResult` whose ``values.sum(0)`` equals its ``logits`` (and
+        whose heads add up to their layer's attention row).
         """
         from envoykit.analyses import attribution
 
         self.readout.require("attribution")
         selfcheck.require(self.info, "attribution")
+        if heads is True:
+            self.readout.require_heads("per-head attributions")
         info = self.info
         req = attribution.build_request(
-            self.tokenizer, info.vocab, info.max_model_len, prompt, targets, positions
+            self.tokenizer, info.vocab, info.max_model_len, prompt, targets, positions, heads
         )
         return attribution.run(self.model, self.readout, req, self._result_meta(), self.exclusive)
 

@@ -230,31 +230,35 @@ class UnembedEnvoy(ParallelEnvoy):
         columns, past its last real token, are cut off. The exchange is the tensor-parallel
         group's all-gather, on whatever device and backend the engine uses.
         """
-        from vllm.distributed import get_tp_group
-
         root = self.root._module
         module = unembedding_module(root)
         indices = module.shard_indices
         size = indices.num_org_elements
-        group = get_tp_group()
 
         bias = head_bias(module)
 
         def logits(hidden: torch.Tensor) -> torch.Tensor:
             return root.logits_processor(module, hidden, bias, skip_gather=True)[..., :size]
 
-        def gather(value: torch.Tensor) -> torch.Tensor:
-            value = value.unsqueeze(0).contiguous()
-            if group.world_size == 1:
-                return value
-            # A gather only copies bytes: float64, which the CPU backend's shared-memory
-            # gather lacks, travels as the float32 words of the same bytes.
-            words = value.view(torch.float32) if value.dtype == torch.float64 else value
-            return group.all_gather(words, dim=0).view(value.dtype)
-
         # Rank 0's slice: the padding is at the end of the vocabulary.
         largest = min(indices.num_org_elements_padded, module.org_vocab_size)
-        return VocabShard(logits, indices.org_vocab_start_index, size, gather, largest)
+        return VocabShard(logits, indices.org_vocab_start_index, size, gather_ranks, largest)
+
+
+def gather_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``[ranks, *value.shape]``: every rank's ``value`` in rank order, the same on every
+    rank (the tensor-parallel group's all-gather, on whatever device and backend the engine
+    uses; a collective, so every rank must call it, in the same order)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    value = value.unsqueeze(0).contiguous()
+    if group.world_size == 1:
+        return value
+    # A gather only copies bytes: float64, which the CPU backend's shared-memory gather
+    # lacks, travels as the float32 words of the same bytes.
+    words = value.view(torch.float32) if value.dtype == torch.float64 else value
+    return group.all_gather(words, dim=0).view(value.dtype)
 
 
 def head_bias(module: torch.nn.Module) -> torch.Tensor | None:

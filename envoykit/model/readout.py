@@ -36,6 +36,7 @@ import torch
 
 from envoykit.errors import InvalidRequest
 from envoykit.model.families import MLP_INPUT, PAIR, REFUSED, STREAM, Family, family_of
+from envoykit.model.heads import HeadLayout
 
 Row = tuple[torch.Tensor, "torch.Tensor | None"]
 # Names the final norm goes by, beside the decoder layers (GPT-2, GPT-J and Falcon: ln_f).
@@ -44,20 +45,27 @@ _FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
 
 @dataclass(frozen=True)
 class Cell:
-    """A checked stream location: layer number (0 = the embedding), site, token position."""
+    """A checked stream location: layer number (0 = the embedding), site, token position.
+
+    Site ``"head"`` is one attention head's slice of its output projection's input (``head``
+    its number over the whole model); its ``position`` may be None: every position.
+    """
 
     layer: int
     site: str
-    position: int
+    position: int | None
+    head: int | None = None
 
 
 @dataclass(frozen=True)
 class Write:
     """A value to write into a run at ``cell``: ``value`` and, for a pair family's streams,
-    ``residual`` (each ``[d_model]``); the stream there becomes their sum."""
+    ``residual`` (each ``[d_model]``); the stream there becomes their sum. At a head cell
+    ``value`` is ``[head_size]``, or None for the head's own mean over the run's positions
+    (a mean ablation)."""
 
     cell: Cell
-    value: torch.Tensor
+    value: torch.Tensor | None
     residual: torch.Tensor | None = None
 
 
@@ -69,7 +77,8 @@ class Readout:
     ``family`` is None for an architecture envoykit does not read (see `require`).
     ``prenorm`` and ``attn`` are the names, inside a decoder layer, of the module whose
     input is the stream between the blocks and of the attention module, where the family
-    reads them.
+    reads them. ``heads`` is where the attention heads are (`envoykit.model.heads`), or a
+    sentence saying why a pattern cannot be read (`require_heads`).
     """
 
     architecture: str
@@ -80,6 +89,7 @@ class Readout:
     family: Family | None
     prenorm: str | None = None
     attn: str | None = None
+    heads: HeadLayout | str = "its heads were not looked for"
 
     @classmethod
     def find(cls, meta_model: torch.nn.Module, architecture: str, config: dict) -> Readout:
@@ -119,6 +129,7 @@ class Readout:
             family,
             prenorm,
             attn,
+            HeadLayout.find(layers, architecture),
         )
 
     def require(self, what: str = "this analysis") -> Family:
@@ -131,6 +142,13 @@ class Readout:
                 "with engine.trace(prompt): ..."
             )
         return self.family
+
+    def require_heads(self, what: str = "attention patterns") -> HeadLayout:
+        """The head layout, or `InvalidRequest` saying why ``what`` cannot be read here."""
+        self.require(what)
+        if isinstance(self.heads, str):
+            raise InvalidRequest(f"{what} are not available on {self.architecture}: {self.heads}")
+        return self.heads
 
     def require_sites(self, sites: Sequence[str]) -> None:
         """Refuse a site this model's layers do not have (no stream between parallel
@@ -227,13 +245,21 @@ def walk(
     layer_list: Any,
     reads: dict[int, set[str]],
     writes: dict[int, list[Write]],
+    heads: dict[int, torch.Tensor] | None = None,
 ) -> list[Row]:
     """Walk the layers in the model's order, make ``writes`` in place, and read each layer's
     ``reads`` sites as rows ``[T, d_model]``, in the order the model computes them (per
-    layer: attn, resid_mid, mlp, resid). Layer 0 is the embedding (only "resid")."""
+    layer: attn, resid_mid, mlp, resid). Layer 0 is the embedding (only "resid").
+
+    A layer whose reads include ``"heads"`` also puts, into ``heads``, the input of its
+    heads' output projection as this rank holds it: ``[T, local heads * head_size]``, its
+    slice of the heads (`HeadLayout`), read before anything else of the layer."""
     family = readout.require()
     walker = _Walker(readout, family, layer_list, reads, writes)
-    return walker.run()
+    rows = walker.run()
+    if heads is not None:
+        heads.update(walker.heads)
+    return rows
 
 
 class _Walker:
@@ -245,6 +271,7 @@ class _Walker:
         self.rows: list[Row] = []
         self.stream: torch.Tensor | None = None  # the stream after the last layer walked
         self.keep: set[int] = set()  # layers whose stream the next layer needs
+        self.heads: dict[int, torch.Tensor] = {}  # layer -> this rank's heads, concatenated
 
     def run(self) -> list[Row]:
         wanted = set(self.reads) | set(self.writes)
@@ -275,9 +302,38 @@ class _Walker:
         if self.reads.get(0):
             self.rows.append((self.stream, None))
 
+    def _stream_writes(self, number: int) -> list[Write]:
+        """The writes into a layer's stream (a head's go into its projection's input)."""
+        return [w for w in self.writes.get(number, []) if w.cell.site != "head"]
+
+    def _read_heads(self, number: int, layer: Any) -> None:
+        """Write a layer's head cells, then read its heads where asked: the output
+        projection's input, whole (``[T, heads * head_size]``, heads in order) at any TP."""
+        edits = [w for w in self.writes.get(number, []) if w.cell.site == "head"]
+        read = "heads" in self.reads.get(number, ())
+        if not edits and not read:
+            return
+        layout = self.readout.require_heads("per-head values")
+        projection = at(layer, layout.output)
+        value = projection.input
+        if edits:
+            value = value.clone()
+            tokens = _tokens(value)
+            for item in edits:
+                columns = slice(
+                    item.cell.head * layout.head_size, (item.cell.head + 1) * layout.head_size
+                )
+                rows = slice(None) if item.cell.position is None else item.cell.position
+                new = tokens[:, columns].mean(0) if item.value is None else item.value.to(tokens)
+                tokens[rows, columns] = new
+            projection.input = value
+        if read:
+            self.heads[number] = _tokens(value).clone()
+
     def _pair_layer(self, number: int) -> None:
         layer = self.layer_list[number - 1]
-        sites, here = self._sites(number), self.writes.get(number, [])
+        self._read_heads(number, layer)
+        sites, here = self._sites(number), self._stream_writes(number)
         available: dict[str, Row] = {}
         if sites & {"attn", "resid_mid"}:
             written, before = getattr(layer, self.readout.prenorm).inputs[0][:2]
@@ -293,7 +349,8 @@ class _Walker:
 
     def _stream_layer(self, number: int) -> None:
         layer = self.layer_list[number - 1]
-        sites, here = self._sites(number), self.writes.get(number, [])
+        self._read_heads(number, layer)
+        sites, here = self._sites(number), self._stream_writes(number)
         before = self.stream
         wanted: dict[str, Row] = {}
         mid = attn = None
@@ -385,6 +442,17 @@ def norm_parameters(norm: Any, d_model: int, like: torch.Tensor) -> dict[str, to
     shifted = call(signs + 3.0)[0] - bias
     centered = ((shifted - unit).abs().amax() <= 1e-3 * unit.abs().amax()).float()
     return {"gain": gain, "bias": bias, "eps": eps, "centered": centered}
+
+
+def rank_inputs(envoy: Any) -> tuple[tuple, dict]:
+    """The ``(args, kwargs)`` this rank's module at ``envoy`` is called with, as they are:
+    one rank's piece at TP > 1, where the shard guard refuses them to trace code and a
+    parallel layer's envoy makes them whole. For rank-side code that knows it holds a piece
+    and reduces or gathers what it makes of it (the patterns and writes of this rank's
+    attention heads)."""
+    from nnsight.intervention.interleaver import Mediator
+
+    return Mediator.value(f"{envoy.path}.input")
 
 
 def layer_input(layer: Any) -> torch.Tensor:

@@ -2,13 +2,15 @@
 
 ``heatmap`` shows layers x positions with the top-1 token written in each cell; the colour is
 the top-1 probability, the entropy, the KL to the final layer, or a target's probability.
-``trajectory`` follows target tokens across layers at one position; ``attribution``,
-``sweep``, ``compare`` and ``lens_quality`` draw the other results.
+``trajectory`` follows target tokens across layers at one position; ``attention``,
+``attribution``, ``head_attribution``, ``sweep``, ``compare`` and ``lens_quality`` draw the
+other results.
 """
 
 import warnings
 
-from envoykit.plot.attribution import attribution
+from envoykit.plot.attention import attention
+from envoykit.plot.attribution import attribution, head_attribution
 from envoykit.plot.compare import compare
 from envoykit.plot.lens import heatmap, trajectory
 from envoykit.plot.sweep import sweep
@@ -19,4 +21,13 @@ from envoykit.plot.tuned import lens_quality
 # the honest rendering; the notice is noise.
 warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
 
-__all__ = ["attribution", "compare", "heatmap", "lens_quality", "sweep", "trajectory"]
+__all__ = [
+    "attention",
+    "attribution",
+    "compare",
+    "head_attribution",
+    "heatmap",
+    "lens_quality",
+    "sweep",
+    "trajectory",
+]

@@ -64,3 +64,36 @@ def attribution(
     ax.legend(loc="upper left", fontsize=8)
     ax.figure.tight_layout()
     return ax.figure
+
+
+def head_attribution(
+    res: AttributionResult, target: str | int, *, position: int = -1, ax: Any = None
+) -> Any:
+    """Every head's contribution to a target's logit, layers down and heads across (an
+    ``attribute(..., heads=True)`` result), on a colour scale centred on zero.
+
+    ``position`` indexes the result's positions (-1: the last).
+    """
+    import matplotlib.pyplot as plt
+
+    if res.head_values is None:
+        raise ValueError("no per-head values: use engine.attribute(..., heads=True)")
+    n = res.target_index(target)
+    values = res.head_values[:, :, position, n]
+    if ax is None:
+        _, ax = plt.subplots(
+            figsize=(min(3.0 + 0.45 * values.shape[1], 14), 1.5 + 0.22 * len(values))
+        )
+    limit = float(np.abs(values).max()) or 1.0
+    image = ax.imshow(values, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
+    ax.set_xticks(range(values.shape[1]))
+    ax.set_yticks(range(len(values)), [str(i + 1) for i in range(len(values))], fontsize=7)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    token = res.target_tokens[n]
+    ax.set_title(
+        f"each head's contribution to logit({token!r}) at {res.tokens[position]!r}", fontsize=10
+    )
+    ax.figure.colorbar(image, ax=ax, label="contribution")
+    ax.figure.tight_layout()
+    return ax.figure

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from envoykit.results.base import Result, freeze_json
+from envoykit.results.base import Result, freeze_json, frozen_array
 
 # How far the contributions' sum may fall from the logit, relative to the sum of their
 # magnitudes: float32 rounding of a sum of a few dozen terms, with room for bfloat16 engines.
@@ -40,6 +40,13 @@ class AttributionResult(Result):
             soft-cap. ``values.sum(0) == logits`` within float32 rounding.
         model_logits: ``[P, N]`` the logit the model samples from (soft-capped where the
             model caps: ``c * tanh(logits / c)`` with ``c = meta["soft_cap"]``).
+        head_values: ``[n_layers, heads, P, N]`` (``attribute(..., heads=True)``; else None)
+            each layer's attention contribution split into its heads: a head's slice of the
+            output projection's input through its slice of the weight, on the same
+            directions as ``values``.
+        head_bias: ``[n_layers, P, N]`` what the output projection's bias adds (zero without
+            one): ``head_values[l].sum(0) + head_bias[l]`` equals the ``"attn l"`` row of
+            ``values`` within float32 rounding.
         meta: model name, TP size, dtype, soft-cap and logit scale.
 
     >>> res = AttributionResult.example()
@@ -59,6 +66,8 @@ class AttributionResult(Result):
     logits: np.ndarray
     model_logits: np.ndarray
     meta: Mapping[str, Any] = field(default_factory=dict)
+    head_values: np.ndarray | None = None
+    head_bias: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n_comp, n_pos, n_targets = len(self.components), len(self.positions), len(self.target_ids)
@@ -94,6 +103,45 @@ class AttributionResult(Result):
         object.__setattr__(self, "components", tuple(self.components))
         object.__setattr__(self, "meta", freeze_json(self.meta, "AttributionResult.meta"))
         self._check_sum()
+        if (self.head_values is None) != (self.head_bias is None):
+            raise ValueError("AttributionResult.head_values and head_bias come together")
+        if self.head_values is not None:
+            self._check_heads()
+
+    def _check_heads(self) -> None:
+        """The heads of a layer, with the projection's bias, add up to its attention row."""
+        attn = [i for i, kind in enumerate(self.component_kinds) if kind == "attn"]
+        n_layers, n_pos, n_targets = len(attn), len(self.positions), len(self.target_ids)
+        heads = frozen_array("AttributionResult", "head_values", self.head_values, np.float32)
+        if heads.ndim != 4 or heads.shape[0] != n_layers or heads.shape[2:] != (n_pos, n_targets):
+            raise ValueError(
+                f"AttributionResult.head_values has shape {heads.shape}, not "
+                f"({n_layers}, heads, {n_pos}, {n_targets})"
+            )
+        bias = frozen_array(
+            "AttributionResult",
+            "head_bias",
+            self.head_bias,
+            np.float32,
+            (n_layers, n_pos, n_targets),
+        )
+        summed = heads.astype(np.float64).sum(1) + bias
+        layer_rows = self.values[attn].astype(np.float64)
+        allowed = SUM_TOLERANCE * (np.abs(heads).astype(np.float64).sum(1) + np.abs(bias) + 1.0)
+        if (np.abs(summed - layer_rows) > allowed).any():
+            layer = int(np.argwhere(np.abs(summed - layer_rows) > allowed)[0][0]) + 1
+            raise ValueError(
+                f"AttributionResult.head_values of layer {layer} do not add up to its "
+                "attention contribution"
+            )
+        object.__setattr__(self, "head_values", heads)
+        object.__setattr__(self, "head_bias", bias)
+
+    def head(self, layer: int, target: str | int) -> np.ndarray:
+        """``[heads, P]`` the heads of decoder layer ``layer`` (1-based), for one target."""
+        if self.head_values is None:
+            raise KeyError("no per-head values here: attribute(..., heads=True) gives them")
+        return self.head_values[layer - 1, :, :, self.target_index(target)]
 
     def _check_sum(self) -> None:
         """The headline invariant: the contributions add up to the logit."""

@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
+from envoykit.results.attention import AttentionResult
 from envoykit.results.attribution import AttributionResult
 from envoykit.results.base import Result
 from envoykit.results.compare import CompareResult
@@ -27,6 +28,7 @@ def _with_nested_meta(res):
 
 EXAMPLES = {
     "lens": lambda: _with_nested_meta(LensResult.example()),
+    "attention": lambda: _with_nested_meta(AttentionResult.example()),
     "attribution": lambda: _with_nested_meta(AttributionResult.example()),
     "compare": lambda: _with_nested_meta(CompareResult.example()),
     "sweep": lambda: _with_nested_meta(SweepResult.example()),

@@ -1,0 +1,161 @@
+"""Attention patterns on the ranks: each rank computes the patterns of its own heads.
+
+vLLM's paged attention never forms the pattern, so it is rebuilt from what the kernel is
+given: the queries and keys after rotary embedding and any q/k norm, which each rank holds
+for its slice of the heads (`envoykit.ranks.heads` reproduces the model's scale, mask,
+sliding window, soft-cap and sinks). In one prefill trace every rank computes its heads'
+weights at the picked queries, layer by layer; the tensor-parallel group gathers them, only
+the picked heads are kept (their ``top_k`` keys, for a long prompt), and that is all that
+comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from envoykit.analyses.request import normalise_layers, normalise_positions, normalise_prompts
+from envoykit.errors import InvalidRequest
+from envoykit.model.envoys import gather_ranks
+from envoykit.model.heads import HeadLayout
+from envoykit.model.readout import Readout, at, rank_inputs
+from envoykit.ranks.heads import local_patterns, query_key
+from envoykit.results.attention import AttentionResult
+
+# The most bytes of weights (and key positions) one request may bring back: beyond it, ask
+# for top_k keys, fewer layers, heads or queries.
+MAX_RETURNED_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """A checked attention request: layers are decoder layer numbers (1-based), heads whole-
+    model head numbers, queries token positions; ``top_k`` None keeps every key."""
+
+    prompt: str
+    prompt_ids: tuple[int, ...]
+    layers: tuple[int, ...]
+    heads: tuple[int, ...]
+    queries: tuple[int, ...]
+    top_k: int | None
+
+
+def build_request(
+    tokenizer: Any,
+    layout: HeadLayout,
+    n_layers: int,
+    max_model_len: int,
+    prompt: str,
+    *,
+    layers: Any = None,
+    heads: Any = None,
+    queries: Any = None,
+    top_k: int | None = None,
+) -> AttentionRequest:
+    """Check an attention request before anything reaches the ranks."""
+    if not isinstance(prompt, str):
+        raise InvalidRequest(f"attention takes one prompt (a string), not {type(prompt).__name__}")
+    (prompt,) = normalise_prompts(prompt)
+    ids = tuple(tokenizer(prompt)["input_ids"])
+    if not ids:
+        raise InvalidRequest(f"prompt {prompt!r} tokenizes to no tokens")
+    if len(ids) > max_model_len:
+        raise InvalidRequest(
+            f"prompt of {len(ids)} tokens exceeds the engine's max_model_len={max_model_len}"
+        )
+    picked_layers = normalise_layers(layers, n_layers)
+    if 0 in picked_layers:
+        raise InvalidRequest("layer 0 is the embedding, which has no attention: pick layers >= 1")
+    picked_heads = _heads(heads, layout.n_heads)
+    picked_queries = normalise_positions(queries, len(ids)) or tuple(range(len(ids)))
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InvalidRequest(f"top_k must be None (every key) or an integer >= 1, not {top_k!r}")
+    kept = len(ids) if top_k is None else min(top_k, len(ids))
+    returned = len(picked_layers) * len(picked_heads) * len(picked_queries) * kept * 12
+    if returned > MAX_RETURNED_BYTES:
+        raise InvalidRequest(
+            f"{len(picked_layers)} layers x {len(picked_heads)} heads x {len(picked_queries)} "
+            f"queries x {kept} keys would bring back {returned / 2**20:.0f} MiB: pass top_k=, "
+            "or fewer layers=, heads= or queries="
+        )
+    return AttentionRequest(
+        prompt, ids, picked_layers, picked_heads, picked_queries, None if top_k is None else kept
+    )
+
+
+def _heads(heads: Any, n_heads: int) -> tuple[int, ...]:
+    """Sorted, distinct head numbers; None is every head, negatives count from the end."""
+    if heads is None:
+        return tuple(range(n_heads))
+    wanted = [heads] if isinstance(heads, int) else list(heads)
+    picked = set()
+    for head in wanted:
+        if isinstance(head, bool) or not isinstance(head, int) or not -n_heads <= head < n_heads:
+            raise InvalidRequest(
+                f"head {head!r} is out of range: this model has {n_heads} heads (0..{n_heads - 1})"
+            )
+        picked.add(head % n_heads)
+    if not picked:
+        raise InvalidRequest("no heads given: pass heads=None for every head")
+    return tuple(sorted(picked))
+
+
+def run(
+    model: Any,
+    readout: Readout,
+    request: AttentionRequest,
+    meta: dict[str, Any],
+    guard: Callable[[], AbstractContextManager],
+) -> AttentionResult:
+    """The patterns of ``request`` on ``model`` (an envoy tree) in one prefill trace, under
+    ``guard`` (the engine's)."""
+    import nnsight
+
+    layout = readout.require_heads()
+    queries = torch.tensor(request.queries)
+    heads = torch.tensor(request.heads)
+    with guard(), model.trace(request.prompt, temperature=0.0, max_tokens=1):
+        layer_list = at(model, readout.layers)
+        kept = []
+        for layer in request.layers:
+            kernel = at(layer_list[layer - 1], layout.attention)
+            query, key = query_key(*rank_inputs(kernel))
+            mine = local_patterns(kernel._module, query, key, queries.to(query.device))
+            weights = gather_ranks(mine).flatten(0, 1)[heads.to(mine.device)]
+            kept.append(_top(weights, request.top_k))
+        saved = nnsight.save(
+            {
+                "weights": torch.stack([w for w, _ in kept]).cpu(),
+                "keys": torch.stack([k for _, k in kept]).cpu(),
+            }
+        )
+    tokenizer = model.tokenizer
+    return AttentionResult(
+        prompt=request.prompt,
+        token_ids=np.array(request.prompt_ids),
+        tokens=tuple(tokenizer.decode([i]) for i in request.prompt_ids),
+        layers=np.array(request.layers),
+        heads=np.array(request.heads),
+        queries=np.array(request.queries),
+        keys=saved["keys"].numpy(),
+        weights=saved["weights"].numpy(),
+        meta={
+            **meta,
+            "top_k": request.top_k,
+            "returned_bytes": sum(t.numel() * t.element_size() for t in saved.values()),
+        },
+    )
+
+
+def _top(weights: torch.Tensor, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, keys)`` of every key, or of the ``top_k`` most attended, most first."""
+    if top_k is None:
+        keys = torch.arange(weights.shape[-1], device=weights.device)
+        return weights, keys.expand(weights.shape).contiguous()
+    values, keys = weights.topk(top_k, dim=-1)
+    return values, keys

@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
 NOTEBOOK = Path(__file__).parent / "browser" / "explorer.ipynb"
 READ_ONLY_NOTEBOOK = Path(__file__).parent / "browser" / "readonly.ipynb"
+ATTENTION_NOTEBOOK = Path(__file__).parent / "browser" / "attention.ipynb"
 # The heatmaps of an explorer: the first prompt's, and in compare mode the second prompt's
 # (cells to drag) and the diff. The standalone page has one, of no explorer.
 HEATMAP = ".ek-heatmap"
@@ -485,6 +486,85 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
         page.close()
         lab.stop()
     print(f"read-only explorer in JupyterLab: {time.monotonic() - started:.1f} s")
+
+
+def hostile_attention() -> ek.AttentionResult:
+    """Two layers x three heads over four tokens whose text is markup, causal weights."""
+    tokens = (XSS_IMG, "<b>bold</b>", " a & b <!--", XSS_IMG)
+    weights = np.random.default_rng(0).random((2, 3, 4, 4)) * np.tri(4)
+    weights /= weights.sum(-1, keepdims=True)
+    return ek.AttentionResult(
+        prompt="".join(tokens),
+        token_ids=np.arange(4),
+        tokens=tokens,
+        layers=np.array([1, 2]),
+        heads=np.array([0, 1, 2]),
+        queries=np.arange(4),
+        keys=np.broadcast_to(np.arange(4), (2, 3, 4, 4)),
+        weights=weights.astype(np.float32),
+    )
+
+
+def test_attention_view_in_jupyterlab(browser, tmp_path):
+    """A stored attention result whose tokens are markup: the grid draws every layer and head,
+    a click on a head reaches the kernel and comes back as that head's pattern with the
+    tokens as text on both axes, hovering a token lights up its row and its column, nothing
+    in the text runs, and JupyterLab Dark darkens the view."""
+    res = hostile_attention()
+    stored = tmp_path / "attention.json"
+    res.to_json(str(stored))
+    work = tmp_path / "work"
+    work.mkdir()
+    notebook = ATTENTION_NOTEBOOK.read_text().replace("__RESULT__", str(stored))
+    (work / "attention.ipynb").write_text(notebook)
+    lab = Lab(tmp_path)
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    view = ".ek-attention"
+    try:
+        open_and_run(page, lab, "attention.ipynb", "notebook:run-all-cells")
+        page.wait_for_selector(f"{view}[data-drawn='6']", timeout=120000)
+        assert page.locator(f"{view} .ek-att-cell").count() == 6
+        page.locator(f"{view} .ek-att-cell[data-layer='2'][data-head='1']").click()
+        title = f"{view} .ek-att-pattern .ek-att-title"
+        page.wait_for_function(
+            "sel => document.querySelector(sel)?.textContent === 'layer 2, head 1'",
+            arg=title,
+            timeout=30000,
+        )
+        keys = page.locator(f"{view} .ek-att-key").all_text_contents()
+        queries = page.locator(f"{view} .ek-att-query").all_text_contents()
+        assert keys == list(res.tokens) and queries == list(res.tokens)
+        cells = page.locator(f"{view} td.ek-att-w")
+        assert cells.count() == 16
+        drawn = cells.evaluate_all("tds => tds.map(td => td.title.split(': ').pop())")
+        assert [float(w) for w in drawn] == pytest.approx(res.pattern(2, 1).ravel(), abs=1e-4)
+        page.locator(f"{view} .ek-att-key[data-key='1']").hover()
+        lit = page.locator(f"{view} td.ek-att-lit")
+        # Token 1 as a query (its row of 4) and as a key (its column of 4), sharing a cell.
+        assert lit.count() == 7
+        assert_nothing_ran(page)
+        assert page.locator(f"{view} img, {view} b").count() == 0
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(view).screenshot(path=str(ARTIFACTS / "attention_view.png"))
+        page.evaluate(
+            "() => window.jupyterapp.commands.execute("
+            "'apputils:change-theme', {theme: 'JupyterLab Dark'})"
+        )
+        page.wait_for_function(
+            "sel => { const c = getComputedStyle(document.querySelector(sel)).backgroundColor;"
+            " const [r, g, b] = c.match(/\\d+/g).map(Number); return r + g + b < 150; }",
+            arg=view,
+            timeout=30000,
+        )
+        page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30000)
+        page.locator(view).screenshot(path=str(ARTIFACTS / "attention_view_dark.png"))
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "attention_view_failure.png"))
+        raise
+    finally:
+        page.close()
+        lab.stop()
 
 
 def center(box: dict[str, float]) -> tuple[float, float]:

@@ -487,6 +487,50 @@ def test_clicking_a_cell_attributes_its_position(explorer, tiny2):
 
 
 @pytest.mark.engine
+def test_clicking_a_cell_opens_the_attention_at_its_layer_and_position(explorer, tiny2):
+    panel = explorer.attention_panel
+    assert "click a heatmap cell" in panel.header.value
+    res = explorer.run()
+    n = tiny2.info.n_layers
+    explorer.heatmap.set_state({"selected": [len(res.layers) - 1, 3]})
+    assert panel.query == 3 and panel.selected[0] == n
+    data = panel.view.data
+    expected = tiny2.attention(PROMPT, queries=[3])
+    np.testing.assert_allclose(
+        np.array(data["strips"])[:, :, :4], expected.weights[..., 0, :4], atol=1e-6
+    )
+    assert data["pattern"]["layer"] == n and len(data["pattern"]["weights"]) == len(res.tokens)
+    whole = tiny2.attention(PROMPT, layers=[n], heads=[panel.selected[1]])
+    np.testing.assert_allclose(data["pattern"]["weights"], whole.weights[0, 0], atol=1e-6)
+    # The bars: the selected layer's heads' contributions to the target, adding up to the
+    # attribution's attention row there.
+    bars = data["contributions"]
+    att = explorer.attribution
+    attn_row = att.values[att.components.index(f"attn {n}"), 0, 0]
+    assert bars["layer"] == n and bars["target"] == " Paris"
+    np.testing.assert_allclose(
+        sum(bars["values"]) + att.head_bias[n - 1, 0, 0], attn_row, atol=1e-4
+    )
+    # A click on another head (what the browser sends) draws that head's whole pattern.
+    panel.view.set_state({"selected": [1, 2]})
+    first = tiny2.attention(PROMPT, layers=[1], heads=[2])
+    np.testing.assert_allclose(
+        panel.view.data["pattern"]["weights"], first.weights[0, 0], atol=1e-6
+    )
+    assert panel.view.data["contributions"]["layer"] == 1
+
+
+def test_attention_panel_shows_a_stored_result():
+    from envoykit.explorer import AttentionPanel
+
+    res = ek.AttentionResult.example()
+    panel = AttentionPanel(res)
+    assert panel.query == 1 and panel.selected == [1, 0]
+    assert panel.view.data["pattern"]["weights"] == [[1.0, 0.0], [0.25, 0.75]]
+    assert "attends to" in panel.header.value
+
+
+@pytest.mark.engine
 def test_select_and_pin_update_the_trajectory(explorer):
     res = explorer.run()
     assert res.tokens[-1] in explorer.trajectory_figure.axes[0].get_title()

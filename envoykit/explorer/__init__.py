@@ -5,6 +5,7 @@ One module per job: `views` (the anywidget classes `Heatmap` and `LayerPicker`),
 selection as lens rows, and how one lens covers them), `layout` (the explorer's widgets, built
 and arranged), `controller` (`LensExplorer`, which ties inputs, views and the engine
 together), `attribution_panel` (the direct logit attribution at the selected cell),
+`attention_panel` (what the selected cell's position attends to, per layer and head),
 `compare_panel` (a second prompt's heatmap to drag cells from, the diff, and which patch a
 drop means), `sweep_panel` (a patch sweep with a progress bar), `outputs` (figures and
 messages as plain ipywidgets show them), `export` (figures, JSON and the standalone page) and
@@ -14,15 +15,18 @@ traitlets, so every interaction can be driven and checked from Python.
 """
 
 from envoykit.explorer.assets import widgets_dir
+from envoykit.explorer.attention_panel import AttentionPanel
 from envoykit.explorer.attribution_panel import AttributionPanel
 from envoykit.explorer.compare_panel import ComparePanel
 from envoykit.explorer.controller import LensExplorer
 from envoykit.explorer.export import standalone_html
 from envoykit.explorer.payload import compare_data, heatmap_data, picker_layers, result_layers
 from envoykit.explorer.sweep_panel import SweepPanel
-from envoykit.explorer.views import Heatmap, LayerPicker
+from envoykit.explorer.views import AttentionView, Heatmap, LayerPicker
 
 __all__ = [
+    "AttentionPanel",
+    "AttentionView",
     "AttributionPanel",
     "ComparePanel",
     "Heatmap",

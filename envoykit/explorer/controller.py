@@ -437,6 +437,7 @@ class LensExplorer(ExplorerLayout):
     def _on_selected(self, _: Any) -> None:
         self._draw_trajectory()
         self._draw_attribution()
+        self._draw_attention()
 
     def _on_pinned(self, change: dict[str, Any]) -> None:
         if self.result is None:
@@ -509,11 +510,61 @@ class LensExplorer(ExplorerLayout):
         if not fresh:
             panel.busy(f"attributing at position {position}")
             try:
-                att = self.engine.attribute(prompt, [target], positions=[position])
+                att = self._attribute(prompt, target, position)
             except ENGINE_ERRORS as err:
                 panel.say(str(err), error=True)
                 return
         panel.show(att, target, layer=int(shown.layers[row]), row=shown.layer_labels[row])
+
+    def _attribute(self, prompt: str, target: int, position: int) -> AttributionResult:
+        """The attribution at one position, split into heads where the model allows it (the
+        attention panel draws the heads); else by layer only."""
+        try:
+            return self.engine.attribute(prompt, [target], positions=[position], heads=True)
+        except InvalidRequest:
+            return self.engine.attribute(prompt, [target], positions=[position])
+
+    def _draw_attention(self) -> None:
+        """What the selected cell's position attends to at every layer and head, opened at
+        the cell's layer; the heads' contributions to the attribution's target as bars."""
+        panel = self.attention_panel
+        shown = self._shown()
+        if self.engine is None:
+            panel.say("needs an engine: this explorer shows a stored LensResult")
+            return
+        if shown is None or self.heatmap.selected is None:
+            panel.say("click a heatmap cell to see what its position attends to")
+            return
+        if self.patch is not None:
+            panel.say("the lens shown is of a patched run; Run to go back to the unpatched one")
+            return
+        heads = self.engine.readout.heads
+        if isinstance(heads, str):
+            panel.say(heads)
+            return
+        row, column = self.heatmap.selected
+        prompt, position = shown.prompt, int(shown.positions[column])
+        if position >= len(self.engine.tokenizer(prompt)["input_ids"]):
+            panel.say("a generated position: attention is drawn for the prompt's positions")
+            return
+        panel.busy(f"attention at position {position}")
+        engine = self.engine
+        try:
+            res = engine.attention(prompt, queries=[position])
+        except ENGINE_ERRORS as err:
+            panel.say(str(err), error=True)
+            return
+        panel.fetch = lambda layer, head: engine.attention(prompt, layers=[layer], heads=[head])
+        att = self.attribution_panel.result
+        usable = att is not None and att.head_values is not None and att.prompt == prompt
+        usable = usable and att.positions.tolist() == [position]
+        panel.show(
+            res,
+            position,
+            layer=max(1, int(shown.layers[row])),
+            attribution=att if usable else None,
+            target=int(att.target_ids[0]) if usable else None,
+        )
 
     def _focus_target(self, shown: LensResult) -> int | None:
         """The token the attribution and the sweep follow: pinned last, else the first target."""

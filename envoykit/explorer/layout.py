@@ -1,8 +1,8 @@
 """What a `LensExplorer` shows and where: its widgets, built and arranged, and nothing else.
 
 `ExplorerLayout` is the explorer's screen: the prompt boxes, the controls, the message line,
-the layer picker, the heatmaps, the compare and sweep panels, the trajectory and the
-attribution panel. `envoykit.explorer.controller` adds what they do.
+the layer picker, the heatmaps, the compare and sweep panels, the trajectory, the
+attribution panel and the attention panel. `envoykit.explorer.controller` adds what they do.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import ipywidgets as widgets
 
+from envoykit.explorer.attention_panel import AttentionPanel
 from envoykit.explorer.attribution_panel import AttributionPanel
 from envoykit.explorer.compare_panel import ComparePanel
 from envoykit.explorer.sweep_panel import SweepPanel
@@ -112,6 +113,7 @@ class ExplorerLayout(widgets.VBox):
         self.trajectory = widgets.Output()
         self.trajectory.add_class("ek-trajectory")
         self.attribution_panel = AttributionPanel()
+        self.attention_panel = AttentionPanel()
 
     def _arrange(self) -> list[widgets.Widget]:
         """Inputs beside the prompts, then the message line and the views, top to bottom."""
@@ -136,4 +138,5 @@ class ExplorerLayout(widgets.VBox):
             self.compare_box,
             self.trajectory,
             self.attribution_panel,
+            self.attention_panel,
         ]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from envoykit.explorer.rows import RESID, SUBLAYER_SITES, ordered
+from envoykit.results.attention import AttentionResult
 from envoykit.results.compare import CompareResult
 from envoykit.results.lens import SITE_SUFFIXES, LensResult
 from envoykit.results.metrics import JS, delta_metric, metric_grid, metric_keys
@@ -172,3 +173,42 @@ def _picker_site(layer: int, site: str, path: str) -> dict[str, Any]:
 
 def _title(label: str, reads: str, path: str) -> str:
     return f"{label}: {reads}" + (f" ({path})" if path else "")
+
+
+def attention_data(
+    res: AttentionResult,
+    query: int,
+    selected: Sequence[int] | None = None,
+    contributions: tuple[int, str, Sequence[float]] | None = None,
+    whole: AttentionResult | None = None,
+) -> dict[str, Any]:
+    """What the attention view draws (the ``AttentionData`` typedef at the top of
+    ``widgets/attention.js``): every layer's and head's weights at query position ``query``
+    as strips, the whole pattern of head ``selected`` (``[layer, head]``, read from
+    ``whole``, default ``res``), and ``contributions``, ``(layer, target token, per-head
+    values)``, as bars."""
+    row = int(np.flatnonzero(res.queries == query)[0])
+    dense = [[res.pattern(int(a), int(h))[row] for h in res.heads] for a in res.layers]
+    pattern = None
+    if selected is not None:
+        layer, head = (int(i) for i in selected)
+        source = res if whole is None else whole
+        pattern = {
+            "layer": layer,
+            "head": head,
+            "queries": source.queries.tolist(),
+            "weights": json_grid(source.pattern(layer, head)),
+        }
+    bars = None
+    if contributions is not None:
+        layer, target, values = contributions
+        bars = {"layer": int(layer), "target": target, "values": [float(v) for v in values]}
+    return {
+        "tokens": list(res.tokens),
+        "layers": res.layers.tolist(),
+        "heads": res.heads.tolist(),
+        "query": int(query),
+        "strips": json_grid(np.array(dense)),
+        "pattern": pattern,
+        "contributions": bars,
+    }

@@ -1,4 +1,4 @@
-"""The two anywidget views: `Heatmap` and `LayerPicker`.
+"""The anywidget views: `Heatmap`, `LayerPicker` and `AttentionView`.
 
 Each is a Python class of synced traitlets plus one framework-free ES module in ``widgets/``;
 state crosses between kernel and browser only through these traitlets, so every interaction
@@ -122,3 +122,17 @@ class LayerPicker(anywidget.AnyWidget):
             if site not in SUBLAYER_SITES:
                 raise traitlets.TraitError(f"site {site!r} is not one of {SUBLAYER_SITES}")
         return [list(row) for row in ordered(proposal["value"])]
+
+
+class AttentionView(anywidget.AnyWidget):
+    """A layers x heads grid of what one query attends to, one head's whole pattern, and
+    each head's contribution to a target's logit (``data``: `attention_data`).
+
+    A click on a grid cell sets ``selected`` to ``[layer, head]``; whoever owns the view
+    answers with that head's pattern in ``data``.
+    """
+
+    _esm = module("attention.js")
+    _css = asset("explorer.css")
+    data = traitlets.Dict().tag(sync=True)
+    selected = traitlets.List(default_value=None, allow_none=True).tag(sync=True)

@@ -127,6 +127,29 @@ class TestSweep:
         assert abs(res.clean - plain.target_probs[0, -1, 0]) < 1e-5
         assert abs(res.source_value - source.target_probs[0, -1, 0]) < 1e-5
 
+    def test_head_sweep_cells_equal_single_head_patches(self, tiny2):
+        """A layers x heads map: each cell copies one head's output at every position, the
+        same as a lens patched with one head patch per position."""
+        token = int(tiny2.lens(SOURCE, layers=[-1], top_k=1).top_ids[0, -1, 0])
+        res = tiny2.patch_sweep(
+            SOURCE, TARGET, layers=[2, 4], site="head", target_token=token, batch=3, progress=False
+        )
+        n_heads = tiny2.info.n_heads
+        assert res.values.shape == (2, n_heads) and res.heads.tolist() == list(range(n_heads))
+        n_tokens = len(tiny2.tokenizer(TARGET)["input_ids"])
+        for li, layer in enumerate(res.layers.tolist()):
+            for head in (0, n_heads - 1):
+                patches = [
+                    ek.Patch(SOURCE, layer, p, p, site="head", head=head) for p in range(n_tokens)
+                ]
+                single = tiny2.lens(TARGET, layers=[-1], targets=[token], patch=patches)
+                assert abs(res.values[li, head] - single.target_probs[0, -1, 0]) < 1e-5
+        assert not np.allclose(res.values, res.clean, atol=1e-6)  # some head matters
+        frame = res.to_pandas()
+        assert len(frame) == 2 * n_heads and set(frame.columns) >= {"layer", "head", "effect"}
+        assert ek.SweepResult.from_json(res.to_json()).heads.tolist() == res.heads.tolist()
+        ek.plot.sweep(res)
+
     def test_logit_diff_export_and_round_trip(self, tiny2):
         res = tiny2.patch_sweep(
             SOURCE,

@@ -281,7 +281,9 @@ class EngineSurface:
         progress: bool = True,
     ) -> SweepResult:
         """Causal tracing: patch ``source``'s stream into ``target`` at every (layer,
-        position) and measure the target's next token at its last position.
+        position) and measure the target's next token at its last position. With
+        ``site="head"``, every (layer, head) instead: each copy takes one head's output from
+        the source at every position of ``positions`` (default all), a layers x heads map.
 
         Both prompts must tokenize to the same length (position p is copied to position p).
         ``metric``: "prob" (``target_token``'s probability) or "logit_diff" (its logit minus
@@ -305,6 +307,7 @@ class EngineSurface:
             target_token=target_token,
             other_token=other_token,
             batch=batch,
+            n_heads=None if isinstance(self.readout.heads, str) else self.readout.heads.n_heads,
         )
         self._require_sites([site])
         return sweep.run(

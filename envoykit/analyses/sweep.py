@@ -1,5 +1,7 @@
 """Causal tracing (Meng et al., 2022): patch a source prompt's stream into a target prompt at
-every (layer, position) and measure what the target then predicts.
+every (layer, position) and measure what the target then predicts. With ``site="head"`` the
+cells are (layer, head) instead: each copies one head's output at every picked position, a
+layers x heads map of which heads carry the difference.
 
 The source runs once and every cell's value comes back (``d_model`` numbers a cell); then
 the target runs in batches of patched copies, one invoke per cell, several per trace, each
@@ -45,11 +47,19 @@ class SweepRequest:
     target_token: Target
     other_token: Target | None
     batch: int
+    heads: tuple[int, ...] = ()
 
     @property
-    def cells(self) -> list[Cell]:
-        """Every (layer, position), row by row."""
-        return [Cell(layer, self.site, p) for layer in self.layers for p in self.positions]
+    def groups(self) -> list[list[Cell]]:
+        """What each patched copy copies, row by row: one (layer, position) cell, or for a
+        head sweep one (layer, head) at every position."""
+        if self.site == "head":
+            return [
+                [Cell(layer, "head", p, head) for p in self.positions]
+                for layer in self.layers
+                for head in self.heads
+            ]
+        return [[Cell(layer, self.site, p)] for layer in self.layers for p in self.positions]
 
 
 def build_request(
@@ -66,16 +76,20 @@ def build_request(
     target_token: str | int,
     other_token: str | int | None = None,
     batch: int = 8,
+    n_heads: int | None = None,
 ) -> SweepRequest:
-    """Check a sweep before anything reaches the ranks."""
+    """Check a sweep before anything reaches the ranks (``n_heads``: the model's, where its
+    heads can be read, for ``site="head"``)."""
     (source,) = normalise_prompts(source)
     (target,) = normalise_prompts(target)
     source_ids, target_ids = _same_length_ids(tokenizer, source, target)
     for name, value in (("layers", layers), ("positions", positions)):
         if value is not None and not isinstance(value, (str, int)) and len(value) == 0:
             raise InvalidRequest(f"an empty sweep: no {name} given")
-    if site not in SITES:
-        raise InvalidRequest(f"unknown site {site!r}: a site is one of {SITES}")
+    if site not in (*SITES, "head"):
+        raise InvalidRequest(f"unknown site {site!r}: a site is one of {(*SITES, 'head')}")
+    if site == "head" and n_heads is None:
+        raise InvalidRequest("a head sweep needs the model's heads, which cannot be read here")
     picked = normalise_layers(("embed", "all") if layers is None else layers, n_layers)
     if site != "resid":
         picked = tuple(layer for layer in picked if layer > 0)
@@ -98,6 +112,7 @@ def build_request(
         if other_token is None
         else single_token_target(tokenizer, vocab, other_token),
         batch=batch,
+        heads=tuple(range(n_heads)) if site == "head" else (),
     )
 
 
@@ -145,17 +160,20 @@ def run(
         with guard():
             return metric_of_runs(model, readout, prompt, runs, request.metric, target_id, other_id)
 
-    cells = request.cells
+    groups = request.groups
     with guard():
-        sources = read_cells(model, readout, request.source, cells)
+        read = read_cells(model, readout, request.source, [c for g in groups for c in g])
+    size = len(groups[0])
+    runs = [read[i * size : (i + 1) * size] for i in range(len(groups))]
     (clean,) = metrics(request.target, [[]])
     (source_value,) = metrics(request.source, [[]])
     values: list[float] = []
-    with tqdm(total=len(cells), desc="patch sweep", disable=not progress) as bar:
-        for start in range(0, len(cells), request.batch):
-            chunk = sources[start : start + request.batch]
-            values += metrics(request.target, [[item] for item in chunk])
+    with tqdm(total=len(runs), desc="patch sweep", disable=not progress) as bar:
+        for start in range(0, len(runs), request.batch):
+            chunk = runs[start : start + request.batch]
+            values += metrics(request.target, chunk)
             bar.update(len(chunk))
+    columns = len(request.heads) if request.site == "head" else len(request.positions)
     tokenizer = model.tokenizer
     other = request.other_token
     return SweepResult(
@@ -169,10 +187,9 @@ def run(
         metric=request.metric,
         target_token=request.target_token.token,
         other_token=None if other is None else other.token,
-        values=np.array(values, dtype=np.float32).reshape(
-            len(request.layers), len(request.positions)
-        ),
+        values=np.array(values, dtype=np.float32).reshape(len(request.layers), columns),
         clean=clean,
         source_value=source_value,
         meta={**{k: v for k, v in meta.items() if k != "vocab"}, "batch": request.batch},
+        heads=np.array(request.heads) if request.site == "head" else None,
     )

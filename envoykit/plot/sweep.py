@@ -11,9 +11,9 @@ if TYPE_CHECKING:
 
 
 def sweep(res: SweepResult, *, effect: bool = False, ax: Any = None) -> Any:
-    """The causal-tracing map: layers (rows, last on top) x positions, coloured by the
-    target's metric after patching each cell (``effect=True``: by its normalised effect,
-    0 = the clean target run, 1 = the source run)."""
+    """The causal-tracing map: layers (rows, last on top) x positions (x heads, for a head
+    sweep), coloured by the target's metric after patching each cell (``effect=True``: by
+    its normalised effect, 0 = the clean target run, 1 = the source run)."""
     import matplotlib.pyplot as plt
 
     grid = res.effect() if effect else res.values
@@ -24,11 +24,17 @@ def sweep(res: SweepResult, *, effect: bool = False, ax: Any = None) -> Any:
     image = ax.imshow(
         grid, aspect="auto", origin="lower", cmap="Purples", vmin=limits[0], vmax=limits[1]
     )
-    labels = [f"{t!r}" if t == s else f"{s!r}→{t!r}" for s, t in zip(res.source_tokens, res.tokens)]
-    ax.set_xticks(range(n_pos), [short(label, 16) for label in labels], rotation=45, ha="right")
+    if res.heads is None:
+        labels = [
+            f"{t!r}" if t == s else f"{s!r}→{t!r}" for s, t in zip(res.source_tokens, res.tokens)
+        ]
+        ax.set_xticks(range(n_pos), [short(label, 16) for label in labels], rotation=45, ha="right")
+        ax.set_xlabel("position patched (source → target token)")
+    else:
+        ax.set_xticks(range(n_pos), [str(h) for h in res.heads.tolist()], fontsize=8)
+        ax.set_xlabel("head patched (its output at every position)")
     step = max(1, n_layers // 15)
     ax.set_yticks(range(0, n_layers, step), res.layer_labels[::step], fontsize=8)
-    ax.set_xlabel("position patched (source → target token)")
     ax.set_ylabel(f"layer ({res.site})")
     what = "effect" if effect else res.label
     ax.set_title(

@@ -32,9 +32,11 @@ class SweepResult(Result):
         metric: "prob" (the target token's probability at the last position) or
             "logit_diff" (its logit minus the other token's).
         target_token, other_token: decoded tokens the metric is about (other: or None).
-        values: ``[L, P]`` the metric of the target run patched at each cell.
+        values: ``[L, P]`` the metric of the target run patched at each cell; ``[L, H]`` for
+            a head sweep (``site == "head"``), each head patched at every position.
         clean: the metric of the target run unpatched; source_value: of the source run.
         meta: model name, TP size, dtype, batch size.
+        heads: ``[H]`` the heads of a head sweep (None otherwise).
 
     >>> res = SweepResult.example()
     >>> res.values.shape, bool(res.effect().max() <= 1.0)
@@ -55,6 +57,7 @@ class SweepResult(Result):
     clean: float
     source_value: float
     meta: Mapping[str, Any] = field(default_factory=dict)
+    heads: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -64,11 +67,18 @@ class SweepResult(Result):
         layers = np.array(self.layers, dtype=np.int64)
         positions = np.array(self.positions, dtype=np.int64)
         values = np.array(self.values, dtype=np.float32)
-        if values.shape != (len(layers), len(positions)) or values.size == 0:
+        if (self.site == "head") != (self.heads is not None):
+            raise ValueError("SweepResult.heads is given exactly for a head sweep")
+        columns = len(positions) if self.heads is None else len(self.heads)
+        if values.shape != (len(layers), columns) or values.size == 0:
             raise ValueError(
                 f"SweepResult.values has shape {values.shape}, not ({len(layers)}, "
-                f"{len(positions)}) (and a sweep has at least one cell)"
+                f"{columns}) (and a sweep has at least one cell)"
             )
+        if self.heads is not None:
+            heads = np.array(self.heads, dtype=np.int64)
+            heads.flags.writeable = False
+            object.__setattr__(self, "heads", heads)
         if layers.min() < 0 or positions.min() < 0:
             raise ValueError("SweepResult layers and positions are >= 0")
         if self.metric == "prob" and not (
@@ -107,9 +117,22 @@ class SweepResult(Result):
         return ((self.values - self.clean) / gap).astype(np.float32)
 
     def to_pandas(self) -> Any:
-        """One row per cell: layer, position, tokens, the metric and its normalised effect."""
+        """One row per cell: layer, position, tokens, the metric and its normalised effect
+        (a head sweep: layer, head, the metric and its effect)."""
         import pandas as pd
 
+        if self.heads is not None:
+            li, hi = (i.ravel() for i in np.indices(self.values.shape))
+            return pd.DataFrame(
+                {
+                    "layer": self.layers[li],
+                    "site": self.site,
+                    "head": self.heads[hi],
+                    "metric": self.metric,
+                    "value": self.values[li, hi],
+                    "effect": self.effect()[li, hi],
+                }
+            )
         li, pi = np.meshgrid(
             np.arange(len(self.layers)), np.arange(len(self.positions)), indexing="ij"
         )
@@ -130,7 +153,12 @@ class SweepResult(Result):
     def __repr__(self) -> str:
         return (
             f"SweepResult({self.label} of {self.target!r} patched from {self.source!r}: "
-            f"{len(self.layers)} layers x {len(self.positions)} positions)"
+            f"{len(self.layers)} layers x "
+            + (
+                f"{len(self.positions)} positions)"
+                if self.heads is None
+                else f"{len(self.heads)} heads)"
+            )
         )
 
     @classmethod

@@ -3,10 +3,10 @@
 vLLM's paged attention never forms the pattern, so it is rebuilt from what the kernel is
 given: the queries and keys after rotary embedding and any q/k norm, which each rank holds
 for its slice of the heads (`envoykit.ranks.heads` reproduces the model's scale, mask,
-sliding window, soft-cap and sinks). In one prefill trace every rank computes its heads'
-weights at the picked queries, layer by layer; the tensor-parallel group gathers them, only
-the picked heads are kept (their ``top_k`` keys, for a long prompt), and that is all that
-comes back.
+sliding window, soft-cap and sinks). In one prefill trace every rank computes, layer by
+layer, the weights of the picked heads it holds at the picked queries (their ``top_k`` keys,
+for a long prompt); after the last layer the tensor-parallel group gathers them in one
+exchange, and that is all that comes back.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
 from envoykit.model.heads import HeadLayout
 from envoykit.model.readout import Readout, at, rank_inputs
-from envoykit.ranks.heads import local_patterns, query_key
+from envoykit.ranks.heads import gathered_order, local_patterns, picked_on_ranks, query_key
 from envoykit.results.attention import AttentionResult
 
 # The most bytes of weights (and key positions) one request may bring back: beyond it, ask
@@ -118,20 +118,32 @@ def run(
 
     layout = readout.require_heads()
     queries = torch.tensor(request.queries)
-    heads = torch.tensor(request.heads)
+    ranks = meta["tp"]
+    mine_per_rank, _ = picked_on_ranks(list(request.heads), layout.n_heads, ranks)
+    order = torch.tensor(gathered_order(list(request.heads), layout.n_heads, ranks))
     with guard(), model.trace(request.prompt, temperature=0.0, max_tokens=1):
+        from vllm.distributed import get_tensor_model_parallel_rank
+
         layer_list = at(model, readout.layers)
+        mine = torch.tensor(mine_per_rank[get_tensor_model_parallel_rank()])
         kept = []
         for layer in request.layers:
             kernel = at(layer_list[layer - 1], layout.attention)
             query, key = query_key(*rank_inputs(kernel))
-            mine = local_patterns(kernel._module, query, key, queries.to(query.device))
-            weights = gather_ranks(mine).flatten(0, 1)[heads.to(mine.device)]
-            kept.append(_top(weights, request.top_k))
+            weights = local_patterns(kernel._module, query, key, queries.to(query.device))
+            kept.append(_top(weights[mine.to(weights.device)], request.top_k))
+        # One exchange for every layer: [ranks, layers, width, queries, K], then the picked
+        # heads in their order. Every key kept: the keys are 0..T-1 on every row, known here.
+        stacked = {"weights": torch.stack([w for w, _ in kept])}
+        if request.top_k is not None:
+            stacked["keys"] = torch.stack([k for _, k in kept])
         saved = nnsight.save(
             {
-                "weights": torch.stack([w for w, _ in kept]).cpu(),
-                "keys": torch.stack([k for _, k in kept]).cpu(),
+                name: gather_ranks(value)
+                .transpose(0, 1)
+                .flatten(1, 2)[:, order.to(value.device)]
+                .cpu()
+                for name, value in stacked.items()
             }
         )
     tokenizer = model.tokenizer
@@ -142,7 +154,7 @@ def run(
         layers=np.array(request.layers),
         heads=np.array(request.heads),
         queries=np.array(request.queries),
-        keys=saved["keys"].numpy(),
+        keys=saved["keys"].numpy() if "keys" in saved else _every_key(saved["weights"].shape),
         weights=saved["weights"].numpy(),
         meta={
             **meta,
@@ -152,10 +164,15 @@ def run(
     )
 
 
-def _top(weights: torch.Tensor, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights, keys)`` of every key, or of the ``top_k`` most attended, most first."""
+def _top(weights: torch.Tensor, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weights, keys)`` of the ``top_k`` most attended keys, most first; of every key
+    (and no keys: they are 0..T-1) without ``top_k``."""
     if top_k is None:
-        keys = torch.arange(weights.shape[-1], device=weights.device)
-        return weights, keys.expand(weights.shape).contiguous()
+        return weights, None
     values, keys = weights.topk(top_k, dim=-1)
     return values, keys
+
+
+def _every_key(shape: tuple[int, ...]) -> np.ndarray:
+    """The key positions of a result that kept every key: 0..T-1 on every row."""
+    return np.broadcast_to(np.arange(shape[-1]), shape)

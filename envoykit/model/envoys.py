@@ -255,9 +255,10 @@ def gather_ranks(value: torch.Tensor) -> torch.Tensor:
     value = value.unsqueeze(0).contiguous()
     if group.world_size == 1:
         return value
-    # A gather only copies bytes: float64, which the CPU backend's shared-memory gather
-    # lacks, travels as the float32 words of the same bytes.
-    words = value.view(torch.float32) if value.dtype == torch.float64 else value
+    # A gather only copies bytes: float64 and int64, which the CPU backend's shared-memory
+    # gather lacks, travel as the float32 words of the same bytes.
+    wide = value.dtype in (torch.float64, torch.int64)
+    words = value.view(torch.float32) if wide else value
     return group.all_gather(words, dim=0).view(value.dtype)
 
 

@@ -132,3 +132,15 @@ def test_a_request_that_would_bring_back_too_much_is_refused_with_advice():
         build_request(tokenizer, layout, 80, 4096, long_prompt)
     req = build_request(tokenizer, layout, 80, 4096, long_prompt, queries=range(-64, 0), top_k=8)
     assert req.top_k == 8 and req.queries == tuple(range(936, 1000)) and len(req.heads) == 64
+
+
+def test_each_rank_sends_its_picked_heads_and_the_gather_puts_them_back_in_order():
+    from envoykit.ranks.heads import gathered_order, picked_on_ranks
+
+    heads, n_heads, ranks = [1, 4, 5, 8], 9, 3  # rank 0 holds 0-2, rank 1 3-5, rank 2 6-8
+    mine, width = picked_on_ranks(heads, n_heads, ranks)
+    assert width == 2 and mine == [[1, 0], [1, 2], [2, 0]]
+    sent = [[r * 3 + i for i in m] for r, m in enumerate(mine)]  # the whole-model heads sent
+    flat = [h for rank in sent for h in rank]
+    assert [flat[i] for i in gathered_order(heads, n_heads, ranks)] == heads
+    assert picked_on_ranks([0], 4, 1) == ([[0]], 1)

@@ -705,6 +705,7 @@ def compare_and_drag_to_patch(page: Any, state: Callable[[], dict], run_button: 
             "site": "resid",
             "source_position": position,
             "target_position": position,
+            "head": None,
         }
     ]
     assert patched["result"]["top_probs"] != res["top_probs"]

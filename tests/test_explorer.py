@@ -507,7 +507,7 @@ def test_clicking_a_cell_opens_the_attention_at_its_layer_and_position(explorer,
     bars = data["contributions"]
     att = explorer.attribution
     attn_row = att.values[att.components.index(f"attn {n}"), 0, 0]
-    assert bars["layer"] == n and bars["target"] == " Paris"
+    assert bars["layer"] == n and bars["target"] == att.target_tokens[0]
     np.testing.assert_allclose(
         sum(bars["values"]) + att.head_bias[n - 1, 0, 0], attn_row, atol=1e-4
     )

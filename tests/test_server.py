@@ -450,6 +450,45 @@ def test_cli_lens_through_the_server(server, tiny2, tmp_path):
     assert figure.stat().st_size > 0
 
 
+def test_cli_attention_through_the_server(server, tiny2, tmp_path):
+    figure, stored = tmp_path / "attention.png", tmp_path / "attention.json"
+    command = ["attention", PROMPT, "--server", server.url, "--layer", "2", "--head", "1"]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "envoykit.cli",
+            *command,
+            "--out",
+            str(figure),
+            "--json",
+            str(stored),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = tiny2.attention(PROMPT, layers=[2], heads=[1])
+    lines = out.stdout.splitlines()[2 : 2 + len(res.queries)]
+    for row, line in enumerate(lines):  # "query token -> most attended key, its token, weight"
+        assert line.split("->")[1].split()[0] == str(int(res.weights[0, 0, row].argmax()))
+    np.testing.assert_allclose(
+        ek.AttentionResult.from_json(str(stored)).weights, res.weights, atol=1e-6
+    )
+    assert figure.stat().st_size > 0
+    bad = subprocess.run(
+        [sys.executable, "-m", "envoykit.cli", *command[:-1], "99", "--out", str(figure)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert bad.returncode == 2 and "head 99 is out of range" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 # -- the token ----------------------------------------------------------------------------
 
 

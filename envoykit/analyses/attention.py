@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from envoykit.analyses.request import normalise_layers, normalise_positions, normalise_prompts
+from envoykit.analyses.request import normalise_layers, normalise_positions, one_prompt
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
 from envoykit.model.heads import HeadLayout
@@ -58,16 +58,7 @@ def build_request(
     top_k: int | None = None,
 ) -> AttentionRequest:
     """Check an attention request before anything reaches the ranks."""
-    if not isinstance(prompt, str):
-        raise InvalidRequest(f"attention takes one prompt (a string), not {type(prompt).__name__}")
-    (prompt,) = normalise_prompts(prompt)
-    ids = tuple(tokenizer(prompt)["input_ids"])
-    if not ids:
-        raise InvalidRequest(f"prompt {prompt!r} tokenizes to no tokens")
-    if len(ids) > max_model_len:
-        raise InvalidRequest(
-            f"prompt of {len(ids)} tokens exceeds the engine's max_model_len={max_model_len}"
-        )
+    prompt, ids = one_prompt(tokenizer, prompt, max_model_len, "attention")
     picked_layers = normalise_layers(layers, n_layers)
     if 0 in picked_layers:
         raise InvalidRequest("layer 0 is the embedding, which has no attention: pick layers >= 1")

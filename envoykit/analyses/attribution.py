@@ -29,11 +29,12 @@ import torch
 from envoykit.analyses.request import (
     Target,
     normalise_positions,
-    normalise_prompts,
+    one_prompt,
     single_token_target,
 )
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
+from envoykit.model.heads import HeadLayout
 from envoykit.model.readout import Readout, at, norm_parameters, normalize, walk
 from envoykit.ranks.heads import head_writes
 from envoykit.results.attribution import AttributionResult
@@ -62,16 +63,7 @@ def build_request(
     """Check an attribution request before anything reaches the ranks."""
     if not isinstance(heads, bool):
         raise InvalidRequest(f"heads takes True or False, not {heads!r}")
-    if not isinstance(prompt, str):
-        raise InvalidRequest(f"attribute takes one prompt (a string), not {type(prompt).__name__}")
-    (prompt,) = normalise_prompts(prompt)
-    ids = tuple(tokenizer(prompt)["input_ids"])
-    if not ids:
-        raise InvalidRequest(f"prompt {prompt!r} tokenizes to no tokens")
-    if len(ids) > max_model_len:
-        raise InvalidRequest(
-            f"prompt of {len(ids)} tokens exceeds the engine's max_model_len={max_model_len}"
-        )
+    prompt, ids = one_prompt(tokenizer, prompt, max_model_len, "attribute")
     wanted = [targets] if isinstance(targets, (str, int)) else list(targets)
     if not wanted:
         raise InvalidRequest("attribute needs at least one target token, e.g. [' Paris']")
@@ -135,6 +127,34 @@ def attribution_statistics(
     }
 
 
+def _split_into_heads(
+    layer_list: Any,
+    layout: HeadLayout,
+    heads_in: dict[int, torch.Tensor],
+    parts: Sequence[torch.Tensor],
+    directions: torch.Tensor,
+    positions: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """On the ranks: every layer's `head_statistics`, stacked as ``head_values`` ``[layers,
+    heads, positions, targets]`` and ``head_bias`` ``[layers, positions, targets]``;
+    ``parts`` are the attribution's components (layer ``l``'s attention is ``2l - 1``)."""
+    split = [
+        head_statistics(
+            at(layer_list[layer - 1], layout.output)._module,
+            heads_in[layer],
+            parts[2 * layer - 1],
+            directions,
+            positions,
+            layout.head_size,
+        )
+        for layer in sorted(heads_in)
+    ]
+    return {
+        "head_values": torch.stack([s["heads"] for s in split]),
+        "head_bias": torch.stack([s["bias"] for s in split]),
+    }
+
+
 def head_statistics(
     projection: Any,
     heads_in: torch.Tensor,
@@ -185,8 +205,6 @@ def run(
     under ``guard`` (the engine's)."""
     import nnsight
 
-    from envoykit.analyses.lens import distinct_labels
-
     n = readout.n_layers
     readout.require("attribution")
     positions = None if request.positions is None else torch.tensor(request.positions)
@@ -213,21 +231,23 @@ def run(
         )
         directions = stats.pop("directions")
         if layout is not None:
-            split = [
-                head_statistics(
-                    at(layer_list[layer - 1], layout.output)._module,
-                    heads_in[layer],
-                    parts[2 * layer - 1],
-                    directions,
-                    positions,
-                    layout.head_size,
-                )
-                for layer in range(1, n + 1)
-            ]
-            stats["head_values"] = torch.stack([s["heads"] for s in split])
-            stats["head_bias"] = torch.stack([s["bias"] for s in split])
+            stats |= _split_into_heads(layer_list, layout, heads_in, parts, directions, positions)
         stats = nnsight.save({key: value.cpu() for key, value in stats.items()})
-    tokenizer = model.tokenizer
+    meta = {**meta, "soft_cap": processor.soft_cap, "logit_scale": logit_scale}
+    return _result(model.tokenizer, request, n, stats, meta)
+
+
+def _result(
+    tokenizer: Any,
+    request: AttributionRequest,
+    n: int,
+    stats: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+) -> AttributionResult:
+    """The `AttributionResult` of what the ranks sent, with its components named."""
+    from envoykit.analyses.lens import distinct_labels
+
+    target_ids = [t.token_id for t in request.targets]
     ids = list(request.prompt_ids)
     picked = list(range(len(ids))) if request.positions is None else list(request.positions)
     components = ["embed"] + [f"{kind} {k}" for k in range(1, n + 1) for kind in ("attn", "mlp")]
@@ -252,8 +272,6 @@ def run(
         head_bias=stats["head_bias"].numpy() if "head_bias" in stats else None,
         meta={
             **meta,
-            "soft_cap": processor.soft_cap,
-            "logit_scale": logit_scale,
             "returned_bytes": sum(t.numel() * t.element_size() for t in stats.values()),
         },
     )

@@ -88,6 +88,23 @@ def build_request(
     )
 
 
+def one_prompt(
+    tokenizer: Any, prompt: Any, max_model_len: int, what: str
+) -> tuple[str, tuple[int, ...]]:
+    """A single prompt for ``what`` ("attribute", "attention"), checked, and its token ids."""
+    if not isinstance(prompt, str):
+        raise InvalidRequest(f"{what} takes one prompt (a string), not {type(prompt).__name__}")
+    (prompt,) = normalise_prompts(prompt)
+    ids = tuple(tokenizer(prompt)["input_ids"])
+    if not ids:
+        raise InvalidRequest(f"prompt {prompt!r} tokenizes to no tokens")
+    if len(ids) > max_model_len:
+        raise InvalidRequest(
+            f"prompt of {len(ids)} tokens exceeds the engine's max_model_len={max_model_len}"
+        )
+    return prompt, ids
+
+
 def normalise_prompts(prompt: Any) -> tuple[str, ...]:
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, (list, tuple)) or not prompts:

@@ -105,8 +105,8 @@ class EngineSurface:
         the N greedily generated tokens. ``reduce_dtype``: precision of the reductions on
         the ranks ("float32", or "float64"). A list of prompts gives a list of results
         (one trace). ``patch``: an `ek.Patch`, an `ek.Ablate` (a head removed) or a list of
-        them; the result is the lens of
-        the patched run (see `envoykit.analyses.patching`), and its ``meta["patches"]`` says so.
+        them; the result is the lens of the patched run (see `envoykit.analyses.patching`),
+        and its ``meta["patches"]`` says so.
         ``compare=True`` with two prompts gives their `CompareResult` (`envoykit.analyses.compare`).
         ``translator``: a `TunedLens` of this model; the residual-stream rows go through its
         translators on the ranks (a tuned lens), and ``meta["lens"]`` says "tuned".

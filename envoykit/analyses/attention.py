@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from envoykit.analyses.request import normalise_layers, normalise_positions, one_prompt
+from envoykit.analyses.request import check_head, normalise_layers, normalise_positions, one_prompt
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
 from envoykit.model.heads import HeadLayout
 from envoykit.model.readout import Readout, at, rank_inputs
-from envoykit.ranks.heads import gathered_order, local_patterns, picked_on_ranks, query_key
+from envoykit.ranks.heads import local_patterns, picked_on_ranks, query_key
 from envoykit.results.attention import AttentionResult
 
 # The most bytes of weights (and key positions) one request may bring back: beyond it, ask
@@ -84,13 +84,7 @@ def _heads(heads: Any, n_heads: int) -> tuple[int, ...]:
     if heads is None:
         return tuple(range(n_heads))
     wanted = [heads] if isinstance(heads, int) else list(heads)
-    picked = set()
-    for head in wanted:
-        if isinstance(head, bool) or not isinstance(head, int) or not -n_heads <= head < n_heads:
-            raise InvalidRequest(
-                f"head {head!r} is out of range: this model has {n_heads} heads (0..{n_heads - 1})"
-            )
-        picked.add(head % n_heads)
+    picked = {check_head(head, n_heads, "attention") for head in wanted}
     if not picked:
         raise InvalidRequest("no heads given: pass heads=None for every head")
     return tuple(sorted(picked))
@@ -110,8 +104,8 @@ def run(
     layout = readout.require_heads()
     queries = torch.tensor(request.queries)
     ranks = meta["tp"]
-    mine_per_rank, _ = picked_on_ranks(list(request.heads), layout.n_heads, ranks)
-    order = torch.tensor(gathered_order(list(request.heads), layout.n_heads, ranks))
+    mine_per_rank, places = picked_on_ranks(list(request.heads), layout.n_heads, ranks)
+    order = torch.tensor(places)
     with guard(), model.trace(request.prompt, temperature=0.0, max_tokens=1):
         from vllm.distributed import get_tensor_model_parallel_rank
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from envoykit.analyses.request import SITES, normalise_layers, normalise_prompts
+from envoykit.analyses.request import SITES, check_head, normalise_layers, normalise_prompts
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Cell, Readout, Write, at, walk, writes_by_layer
 
@@ -85,12 +85,7 @@ class PatchPlan:
 def _check_head(head: Any, n_heads: int | None, what: str) -> int:
     if n_heads is None:
         raise InvalidRequest(f"a {what} names a head, and this model's heads cannot be read")
-    if isinstance(head, bool) or not isinstance(head, int) or not -n_heads <= head < n_heads:
-        raise InvalidRequest(
-            f"{what} head {head!r} is out of range: the model has {n_heads} heads "
-            f"(0..{n_heads - 1})"
-        )
-    return head % n_heads
+    return check_head(head, n_heads, what)
 
 
 def check_cell(layer: Any, site: str, position: Any, n_layers: int, length: int, what: str) -> Cell:

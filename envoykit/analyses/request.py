@@ -105,6 +105,17 @@ def one_prompt(
     return prompt, ids
 
 
+def check_head(head: Any, n_heads: int, what: str) -> int:
+    """Head ``head`` (0-based over the whole model, negative from the end) as a number in
+    ``0..n_heads-1``; `InvalidRequest` naming ``what`` asked for it otherwise."""
+    if isinstance(head, bool) or not isinstance(head, int) or not -n_heads <= head < n_heads:
+        raise InvalidRequest(
+            f"{what} head {head!r} is out of range: this model has {n_heads} heads "
+            f"(0..{n_heads - 1})"
+        )
+    return head % n_heads
+
+
 def normalise_prompts(prompt: Any) -> tuple[str, ...]:
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, (list, tuple)) or not prompts:

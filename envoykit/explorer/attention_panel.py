@@ -86,7 +86,7 @@ class AttentionPanel(widgets.VBox):
         self._attribution = None if attribution is None else (attribution, int(target))
         layer = int(res.layers[0]) if layer is None else int(layer)
         row = int(np.flatnonzero(res.queries == query)[0])
-        li = res.index(layer, int(res.heads[0]))[0]
+        li = int(np.flatnonzero(res.layers == layer)[0])
         strips = res.weights[li, :, row]  # [heads, K]: the keys each head looks at
         keys = res.keys[li, :, row]
         away = np.where(keys == query, 0.0, strips).max(-1)

@@ -76,27 +76,21 @@ def local_patterns(
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
-def picked_on_ranks(heads: list[int], n_heads: int, ranks: int) -> tuple[list[list[int]], int]:
-    """Which of ``heads`` (whole-model numbers) each of ``ranks`` ranks holds, as indices
-    into its own slice, padded with 0 to one width so every rank sends as much; and that
-    width. Heads are split in order: rank r holds ``r * n_heads / ranks`` onwards."""
+def picked_on_ranks(
+    heads: list[int], n_heads: int, ranks: int
+) -> tuple[list[list[int]], list[int]]:
+    """Which of ``heads`` (whole-model numbers) each of ``ranks`` ranks holds, as indices into
+    its own slice, padded with 0 to one width so every rank sends as much; and where each of
+    ``heads`` then lands in the flattened gather ``[ranks * width]``, so the picked heads
+    come back in their own order. Heads are split in order: rank r holds
+    ``r * n_heads / ranks`` onwards."""
     local = n_heads // ranks
-    mine = [
-        [h - r * local for h in heads if r * local <= h < (r + 1) * local] for r in range(ranks)
-    ]
+    mine: list[list[int]] = [[] for _ in range(ranks)]
+    places = []
+    for head in heads:
+        rank = head // local
+        places.append((rank, len(mine[rank])))
+        mine[rank].append(head - rank * local)
     width = max(1, max(len(m) for m in mine))
-    return [m + [0] * (width - len(m)) for m in mine], width
-
-
-def gathered_order(heads: list[int], n_heads: int, ranks: int) -> list[int]:
-    """Where each of ``heads`` lands in ``[ranks * width]``, the flattened gather of every
-    rank's `picked_on_ranks` slice: the picked heads back in their own order."""
-    local = n_heads // ranks
-    _, width = picked_on_ranks(heads, n_heads, ranks)
-    seen = [0] * ranks
-    order = []
-    for h in heads:
-        r = h // local
-        order.append(r * width + seen[r])
-        seen[r] += 1
-    return order
+    padded = [m + [0] * (width - len(m)) for m in mine]
+    return padded, [rank * width + i for rank, i in places]

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 from envoykit.engine import EngineLifetime
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Readout
 from envoykit.runtime.janitor import Janitor
 from envoykit.serve import tokens
 from envoykit.serve.app import ServerState, install, small_files
@@ -69,11 +68,6 @@ class ServedEngine(EngineLifetime):
         self._fingerprint: dict | None = None
         self._installing = asyncio.Lock()
         super().__init__(model, tensor_parallel_size, mode="async", **kwargs)
-
-    @property
-    def readout(self) -> Readout:
-        """Where this model's decoder layers, final norm and unembedding live."""
-        return self.model.readout
 
     def has_translator(self, key: str) -> bool:
         """Whether the ranks hold the translators of this key (a restart forgets them)."""
@@ -109,7 +103,8 @@ class ServedEngine(EngineLifetime):
             # the `with` block of the function that opens it, and an async engine's must be
             # opened in the coroutine that awaits it.
             ids = fingerprint_ids(self.info.vocab)
-            model, readout = self.model, self.readout
+            model = self.model
+            readout = model.readout
             with model.trace("The", temperature=0.0, max_tokens=1) as tracer:
                 # Bound on the finished output only: an async trace's saves are not pushed
                 # back into this frame.

@@ -135,12 +135,12 @@ def test_a_request_that_would_bring_back_too_much_is_refused_with_advice():
 
 
 def test_each_rank_sends_its_picked_heads_and_the_gather_puts_them_back_in_order():
-    from envoykit.ranks.heads import gathered_order, picked_on_ranks
+    from envoykit.ranks.heads import picked_on_ranks
 
     heads, n_heads, ranks = [1, 4, 5, 8], 9, 3  # rank 0 holds 0-2, rank 1 3-5, rank 2 6-8
-    mine, width = picked_on_ranks(heads, n_heads, ranks)
-    assert width == 2 and mine == [[1, 0], [1, 2], [2, 0]]
+    mine, places = picked_on_ranks(heads, n_heads, ranks)
+    assert mine == [[1, 0], [1, 2], [2, 0]]  # two wide: rank 1 holds two of them
     sent = [[r * 3 + i for i in m] for r, m in enumerate(mine)]  # the whole-model heads sent
     flat = [h for rank in sent for h in rank]
-    assert [flat[i] for i in gathered_order(heads, n_heads, ranks)] == heads
-    assert picked_on_ranks([0], 4, 1) == ([[0]], 1)
+    assert [flat[i] for i in places] == heads
+    assert picked_on_ranks([0], 4, 1) == ([[0]], [0])

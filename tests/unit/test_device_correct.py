@@ -2,11 +2,11 @@
 
 On the ``meta`` device a tensor has a shape and no data, and combining it with a CPU tensor
 raises (a CPU tensor written from a meta one, or concatenated with one), as it would on
-CUDA; so does asking a meta tensor for a number. The functions that run on the ranks —
-the lens statistics, the vocabulary-parallel exchange, direct logit attribution, the
-tuned-lens translators and the unembedding's row lookup — are handed a norm, a head and
-streams on that device; the exchange itself checks that what it is asked to send is there
-too (gloo and NCCL send only tensors on their own device).
+CUDA; so does asking a meta tensor for a number. The functions that run on the ranks — the
+lens statistics, the vocabulary-parallel exchange, direct logit attribution, the tuned-lens
+translators, the unembedding's row lookup and the heads' patterns and writes — are handed a
+norm, a head and streams on that device; the exchange itself checks that what it is asked to
+send is there too (gloo and NCCL send only tensors on their own device).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from envoykit.analyses import attribution, lens
 from envoykit.model.vocab_shard import VocabShard
-from envoykit.ranks import translators, vocab_parallel
+from envoykit.ranks import heads, translators, vocab_parallel
 
 D, VOCAB, T = 8, 20, 3
 DEVICE = torch.device("meta")
@@ -115,6 +115,27 @@ class TestOnAnotherDevice:
             FusedNorm(), Head(), parts, final, torch.tensor([1]), [2, 5], 1.0
         )
         assert out["values"].shape == (3, 1, 2)
+
+    def test_attention_patterns(self):
+        from types import SimpleNamespace
+
+        sinks = torch.zeros(4, device=DEVICE)
+        impl = SimpleNamespace(scale=0.5, logits_soft_cap=2.0, sinks=sinks)
+        kernel = SimpleNamespace(head_size=2, sliding_window=2, impl=impl)
+        q, k = torch.ones(T, 8, device=DEVICE), torch.ones(T, 4, device=DEVICE)
+        out = heads.local_patterns(kernel, q, k, torch.tensor([0, 2]))  # queries from the CPU
+        assert out.device == DEVICE and out.shape == (4, 2, T)
+
+    def test_head_writes(self):
+        from types import SimpleNamespace
+
+        weight = torch.ones(D, 4, device=DEVICE)  # rank 1's slice: two heads of two
+        method = SimpleNamespace(apply=lambda layer, x, bias=None: x @ layer.weight.T)
+        projection = SimpleNamespace(
+            weight=weight, quant_method=method, input_size_per_partition=4, tp_rank=1
+        )
+        out = heads.head_writes(projection, torch.ones(T, 8, device=DEVICE), 2)  # whole input
+        assert out.device == DEVICE and out.shape == (2, T, D)
 
     def test_translators(self):
         key = "device-test"

@@ -7,6 +7,7 @@ and return whole tensors; a logit lens runs on the ranks and ships back only wha
 from envoykit import plot
 from envoykit.analyses.compare import Run, compare
 from envoykit.analyses.patching import Ablate, Patch
+from envoykit.analyses.steering import Steer
 from envoykit.analyses.tuned import LensQuality, TunedLens
 from envoykit.engine import Engine
 from envoykit.errors import (
@@ -20,6 +21,7 @@ from envoykit.results.attention import AttentionResult
 from envoykit.results.attribution import AttributionResult
 from envoykit.results.compare import CompareResult
 from envoykit.results.lens import LensResult, TargetTrace
+from envoykit.results.steering import Generation, SteeringVector, SteerSweepResult
 from envoykit.results.sweep import SweepResult
 from envoykit.runtime.info import ModelInfo
 
@@ -31,6 +33,7 @@ __all__ = [
     "Engine",
     "EngineDead",
     "EnvoykitError",
+    "Generation",
     "InvalidRequest",
     "LensExplorer",
     "LensQuality",
@@ -40,6 +43,9 @@ __all__ = [
     "Run",
     "ServerUnavailable",
     "ShardedValue",
+    "Steer",
+    "SteerSweepResult",
+    "SteeringVector",
     "SweepResult",
     "TargetTrace",
     "TunedLens",

@@ -16,6 +16,7 @@ import os
 import tempfile
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Self
@@ -329,11 +330,27 @@ class Engine(EngineLifetime, EngineSurface):
             self._translators.installed(translator.key, keep)
         return translator.key
 
+    def _steered_trace(self, additions: Any, prompts: tuple, kwargs: dict) -> Any:
+        """Install a block that makes ``additions`` at every step of every request that
+        names it (an nnsight edit), and the trace that names it; it is cleared once that
+        trace has run (`EnvoykitVLLM._call`)."""
+        from envoykit.analyses.steering import steer_in_trace
+        from envoykit.model.envoys import STEER_EDIT
+
+        name = f"{STEER_EDIT}{uuid.uuid4().hex[:12]}"
+        model, readout = self.model, self.readout  # the block ships its locals, not the engine
+        with self.exclusive():
+            model.clear_steer_edits()
+            with model.edit(name=name) as (tracer, _):
+                steer_in_trace(model, readout, additions, tracer)
+        return self.model.trace(*prompts, edits=[name], **kwargs)
+
     def _greedy(self, prompt: str, max_tokens: int) -> Any:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         with self.exclusive():
+            self.model.clear_steer_edits()  # a plain request runs every edit left installed
             outputs = self.model.vllm_entrypoint.generate([prompt], params, use_tqdm=False)
         return outputs[0].outputs[0]
 

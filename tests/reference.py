@@ -173,3 +173,62 @@ def patched_final_logits(
     finally:
         handle.remove()
     return logits.float()
+
+
+@torch.no_grad()
+def steered_logits(
+    path: str,
+    ids: list[int],
+    layer: int,
+    vector: torch.Tensor,
+    norm_match: bool = False,
+    positions: list[int] | None = None,
+    site: str = "resid",
+) -> torch.Tensor:
+    """Final logits ``[positions, vocab]`` of the token sequence ``ids`` with ``vector`` added
+    to the stream after decoder layer ``layer`` (1-based; 0 = the embedding; ``site``
+    "resid_mid": between its attention and MLP, through the MLP norm's input) at
+    ``positions`` (None: every one), each steered row rescaled to its old norm with
+    ``norm_match``: a forward hook on plain transformers, float32. One pass over the whole
+    sequence steers each position as a generation's step does."""
+    model, _ = load(path)
+    rows = slice(None) if positions is None else positions
+
+    def steer(stream: torch.Tensor) -> torch.Tensor:
+        before = stream[0, rows].clone()
+        after = before + vector
+        if norm_match:
+            after = after * before.norm(dim=-1, keepdim=True) / after.norm(dim=-1, keepdim=True)
+        stream[0, rows] = after
+        return stream
+
+    if layer == 0:
+        handle = model.model.embed_tokens.register_forward_hook(lambda m, a, out: steer(out))
+    elif site == "resid_mid":
+        norm = model.model.layers[layer - 1].post_attention_layernorm
+        handle = norm.register_forward_pre_hook(lambda m, args: (steer(args[0]),))
+    else:
+
+        def after_layer(module, args, out):
+            steer(out[0] if isinstance(out, tuple) else out)
+            return out
+
+        handle = model.model.layers[layer - 1].register_forward_hook(after_layer)
+    try:
+        return model(torch.tensor([ids])).logits[0].float()
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def steered_greedy(
+    path: str, prompt: str, layer: int, vector: torch.Tensor, tokens: int, **kwargs
+) -> list[int]:
+    """``tokens`` greedy token ids after ``prompt`` under `steered_logits`'s hook (no stop
+    token: the caller cuts where the engine stopped)."""
+    _, tokenizer = load(path)
+    ids = list(tokenizer(prompt)["input_ids"])
+    start = len(ids)
+    for _ in range(tokens):
+        ids.append(int(steered_logits(path, ids, layer, vector, **kwargs)[-1].argmax()))
+    return ids[start:]

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from envoykit.analyses.request import SITES, LensRequest, Row
-from envoykit.model.readout import Readout, Write, at, normalize, walk, writes_by_layer
+from envoykit.analyses.steering import at_step
+from envoykit.model.readout import Addition, Readout, Write, at, normalize, walk, writes_by_layer
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import vocab_parallel
 from envoykit.ranks.translators import translated
@@ -157,6 +158,7 @@ def run(
     budget: int = DEFAULT_MEMORY_BUDGET,
     writes: Sequence[Write] = (),
     translator: str | None = None,
+    additions: Sequence[Addition] = (),
 ) -> list[LensResult]:
     """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt, the
     whole trace under ``guard`` (the engine's: nnsight cannot build two traces on one model
@@ -166,6 +168,8 @@ def run(
     anything downstream of them is read: the lens is that of the patched run. ``translator``
     names tuned-lens translators installed on the ranks (`envoykit.ranks.translators`): every
     residual-stream row but the last layer's goes through them before the final norm.
+    ``additions`` (steering, `envoykit.analyses.steering`) go into the prompt's pass and,
+    those at every position, into each generated token's.
 
     With ``generate=N`` the trace runs N+1 steps: the prompt's prefill, then each generated
     token as it is fed back, so every position in the result is an input token and its lens
@@ -176,7 +180,8 @@ def run(
 
     rows = computed_rows(request.rows, readout.n_layers)
     reads = dict(_sites_by_layer(rows))
-    to_write = writes_by_layer(writes)
+    first_step = writes_by_layer([*writes, *additions])
+    later_steps = writes_by_layer(at_step(additions, 1))
     layer_list = at(model, readout.layers)
     norm = at(model, readout.final_norm)
     head = at(model, readout.unembedding)
@@ -192,7 +197,8 @@ def run(
                 samples = nnsight.save([])
                 for step in tracer.iter[:steps_wanted]:
                     # Patches go into the prompt's own forward pass, the first step.
-                    streams = walk(readout, layer_list, reads, to_write if step == 0 else {})
+                    here = first_step if step == 0 else later_steps
+                    streams = walk(readout, layer_list, reads, here)
                     if translator is not None:
                         streams = translated(streams, rows, translator, readout.n_layers)
                     stats = lens_statistics(

@@ -36,7 +36,7 @@ import torch
 
 from envoykit.analyses.request import SITES, check_head, normalise_layers, normalise_prompts
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Cell, Readout, Write, at, walk, writes_by_layer
+from envoykit.model.readout import Addition, Cell, Readout, Write, at, walk, writes_by_layer
 
 
 @dataclass(frozen=True)
@@ -201,8 +201,9 @@ def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell])
     return writes
 
 
-def write_cells(model: Any, readout: Readout, writes: Sequence[Write]) -> None:
-    """Inside a trace (one invoke): write every value into this run, layer by layer."""
+def write_cells(model: Any, readout: Readout, writes: Sequence[Write | Addition]) -> None:
+    """Inside a trace (one invoke): write every value (and make every addition) in this run,
+    layer by layer."""
     walk(readout, at(model, readout.layers), {}, writes_by_layer(writes))
 
 
@@ -237,13 +238,13 @@ def metric_of_runs(
     model: Any,
     readout: Readout,
     prompt: str,
-    runs: Sequence[Sequence[Write]],
+    runs: Sequence[Sequence[Write | Addition]],
     metric: str,
     target_id: int,
     other_id: int | None,
 ) -> list[float]:
-    """One trace, one invoke per run of ``prompt`` (each with its own writes): the next-token
-    metric of every run, reduced on the ranks to one number each."""
+    """One trace, one invoke per run of ``prompt`` (each with its own writes and additions):
+    the next-token metric of every run, reduced on the ranks to one number each."""
     import nnsight
 
     with model.trace(temperature=0.0, max_tokens=1) as tracer:

@@ -82,7 +82,7 @@ def build_request(
         rows=lens_rows(picked, normalise_sites(sites)),
         positions=normalise_positions(positions, min(len(ids) for ids in prompt_ids)),
         top_k=top_k,
-        targets=tuple(_target(tokenizer, vocab, t) for t in _as_list(targets)),
+        targets=tuple(_target(tokenizer, vocab, t) for t in as_list(targets)),
         generate=generate,
         reduce_dtype=reduce_dtype,
     )
@@ -136,7 +136,7 @@ def _count(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _as_list(value: Any) -> list:
+def as_list(value: Any) -> list:
     if isinstance(value, (str, int)):
         return [value]
     if isinstance(value, (list, tuple)):
@@ -155,7 +155,7 @@ def normalise_layers(layers: LayerSpec, n_layers: int) -> tuple[int, ...]:
     if layers is None or layers == "all":
         return tuple(range(1, n_layers + 1))
     picked = set()
-    for layer in _as_list(list(layers) if isinstance(layers, range) else layers):
+    for layer in as_list(list(layers) if isinstance(layers, range) else layers):
         if layer == "embed":
             picked.add(0)
             continue
@@ -178,7 +178,7 @@ def normalise_layers(layers: LayerSpec, n_layers: int) -> tuple[int, ...]:
 
 def normalise_sites(sites: str | Sequence[str]) -> tuple[str, ...]:
     """Distinct sites in the model's order; `InvalidRequest` naming the valid ones."""
-    picked = set(_as_list(sites))
+    picked = set(as_list(sites))
     unknown = sorted(str(site) for site in picked - set(SITES))
     if unknown:
         raise InvalidRequest(
@@ -209,7 +209,7 @@ def normalise_positions(positions: Any, length: int) -> tuple[int, ...] | None:
     if positions is None:
         return None
     picked = set()
-    for pos in _as_list(list(positions) if isinstance(positions, range) else positions):
+    for pos in as_list(list(positions) if isinstance(positions, range) else positions):
         if isinstance(pos, bool) or not isinstance(pos, int) or not -length <= pos < length:
             raise InvalidRequest(
                 f"position {pos!r} is outside the prompt: it has {length} tokens "

@@ -27,10 +27,12 @@ from envoykit.model.readout import Readout
 
 if TYPE_CHECKING:
     from envoykit.analyses.patching import Ablate, Patch
+    from envoykit.analyses.steering import Steer
     from envoykit.analyses.tuned import TunedLens
     from envoykit.results.attention import AttentionResult
     from envoykit.results.attribution import AttributionResult
     from envoykit.results.compare import CompareResult
+    from envoykit.results.steering import Generation, SteerSweepResult, SteeringVector
     from envoykit.results.sweep import SweepResult
     from envoykit.runtime.info import ModelInfo
 
@@ -58,27 +60,118 @@ class EngineSurface:
         """Where this model's decoder layers, final norm and unembedding live."""
         return self.model.readout
 
-    def generate(self, prompt: str, max_tokens: int = 16) -> str:
-        """Greedy continuation of ``prompt`` (plain vLLM generation, no interventions)."""
-        return self._greedy(prompt, max_tokens).text
+    def generate(
+        self, prompt: str, max_tokens: int = 16, *, steer: Steer | Sequence[Steer] | None = None
+    ) -> Generation:
+        """Greedy continuation of ``prompt``: a `Generation`, the text itself (a ``str``)
+        with its ``token_ids``. Plain vLLM generation, or with ``steer`` (an `ek.Steer`, or a
+        list of them, which add up) the steered one, every step steered on the ranks; its
+        ``meta["steer"]`` says so."""
+        from envoykit.results.steering import Generation
 
-    def generate_ids(self, prompt: str, max_tokens: int = 16) -> list[int]:
-        """Token ids of the greedy continuation of ``prompt``."""
-        return list(self._greedy(prompt, max_tokens).token_ids)
+        steers = self._steers(steer)
+        if not steers:
+            output = self._greedy(prompt, max_tokens)
+            return Generation(output.text, output.token_ids)
+        ((ids,), meta) = self._steered_ids(prompt, [steers], max_tokens)
+        return Generation(self.tokenizer.decode(ids, skip_special_tokens=True), ids, meta)
+
+    def generate_ids(
+        self, prompt: str, max_tokens: int = 16, *, steer: Steer | Sequence[Steer] | None = None
+    ) -> list[int]:
+        """Token ids of the greedy continuation of ``prompt`` (steered with ``steer``)."""
+        return list(self.generate(prompt, max_tokens, steer=steer).token_ids)
 
     def _greedy(self, prompt: str, max_tokens: int) -> Any:
         """vLLM's completion output of a greedy generation (in process, or on a server)."""
         raise NotImplementedError
 
-    def trace(self, *prompts: Any, **kwargs: Any) -> Any:
+    def _steers(self, steer: Any) -> list[Steer]:
+        """``steer`` as a list, each `SteeringVector` in it checked against this model."""
+        from envoykit.analyses.steering import as_steers
+        from envoykit.analyses.tuned import check_same_model
+
+        steers = as_steers(steer)
+        for item in steers:
+            model = getattr(item.vector, "model", None)
+            if model is not None:
+                check_same_model(
+                    dict(model), self.fingerprint(), "this steering vector was built", "build one on this model"
+                )
+        if steers:
+            self.readout.require("steering")
+            self._require_sites([item.site for item in steers])
+        return steers
+
+    def fingerprint(self) -> dict[str, Any]:
+        """This model's fingerprint (`envoykit.analyses.tuned.fingerprint`), measured once."""
+        from envoykit.analyses.tuned import fingerprint
+
+        found = getattr(self, "_fingerprint", None)
+        if found is None:
+            found = self._fingerprint = fingerprint(self)
+        return found
+
+    def _steered_ids(
+        self,
+        prompt: str,
+        runs: Sequence[Sequence[Steer]],
+        max_tokens: int,
+        lens: tuple[Sequence[int], Sequence[int]] | None = None,
+    ) -> tuple[list[list[int]], dict[str, Any]]:
+        """Greedy ids of ``prompt`` under each run's steers (one trace), cut at the stop
+        token as plain generation is; with ``lens`` = (layers, target ids) also each run's
+        lens at the last prompt position (`steering.generated_ids`)."""
+        from envoykit.analyses import steering
+        from envoykit.analyses.request import one_prompt
+
+        info = self.info
+        prompt, ids = one_prompt(self.tokenizer, prompt, info.max_model_len, "generate")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
+        if len(ids) + max_tokens > info.max_model_len:
+            raise InvalidRequest(
+                f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the engine's "
+                f"max_model_len={info.max_model_len}"
+            )
+        planned = [
+            steering.plan_additions(steers, info.n_layers, info.d_model, len(ids)) for steers in runs
+        ]
+        where = None if lens is None else (*lens, len(ids) - 1)
+        found, stats = steering.generated_ids(
+            self.model, self.readout, prompt, planned, max_tokens, self.exclusive, where
+        )
+        stops = steering.stop_ids(self.tokenizer)
+        meta = {**self._result_meta(), "steer": [s.describe() for s in runs[-1]]}
+        meta.pop("vocab")
+        result = [steering.until_stop(run, stops) for run in found]
+        return (result, meta) if lens is None else (result, meta, stats)
+
+    def trace(
+        self, *prompts: Any, steer: Steer | Sequence[Steer] | None = None, **kwargs: Any
+    ) -> Any:
         """nnsight's trace on this engine; greedy and one new token unless told otherwise.
 
         Its run is serialised with every other request and guarded like `lens`: a dead
         engine raises `EngineDead`, an interrupt aborts what it left in flight.
+        ``steer``: `ek.Steer`s (at every position: ``positions=None``) added to the stream
+        of every invoke at every step, before the trace's own code sees it.
         """
         kwargs.setdefault("temperature", 0.0)
         kwargs.setdefault("max_tokens", 1)
-        return self.model.trace(*prompts, **kwargs)
+        steers = self._steers(steer)
+        if not steers:
+            return self.model.trace(*prompts, **kwargs)
+        from envoykit.analyses.steering import plan_additions
+
+        info = self.info
+        additions = plan_additions(steers, info.n_layers, info.d_model, None)
+        return self._steered_trace(additions, prompts, kwargs)
+
+    def _steered_trace(self, additions: Any, prompts: tuple, kwargs: dict) -> Any:
+        """A trace of ``prompts`` with ``additions`` at every step; engines that can install
+        a block on their ranks override this."""
+        raise InvalidRequest(f"{type(self).__name__} cannot steer a trace")
 
     def lens(
         self,
@@ -94,6 +187,7 @@ class EngineSurface:
         patch: Patch | Ablate | Sequence[Patch | Ablate] | None = None,
         compare: bool = False,
         translator: TunedLens | None = None,
+        steer: Steer | Sequence[Steer] | None = None,
     ) -> Any:
         """Logit lens of ``prompt`` in one forward pass, reduced on the ranks.
 
@@ -110,6 +204,8 @@ class EngineSurface:
         ``compare=True`` with two prompts gives their `CompareResult` (`envoykit.analyses.compare`).
         ``translator``: a `TunedLens` of this model; the residual-stream rows go through its
         translators on the ranks (a tuned lens), and ``meta["lens"]`` says "tuned".
+        ``steer``: an `ek.Steer` or a list of them (they add up); the lens is that of the
+        steered run (with ``generate=N``, of the steered generation), ``meta["steer"]`` says so.
 
         Returns a `LensResult` (a list of them for a list of prompts).
         """
@@ -120,6 +216,7 @@ class EngineSurface:
                 "translator": translator is not None,
                 "generate": generate != 0,
                 "reduce_dtype": reduce_dtype != "float32",
+                "steer": steer is not None,
             }
             refuse_with_compare([name for name, given in ignored.items() if given])
             return self._compare_prompts(prompt, layers, positions, targets, sites, patch)
@@ -148,9 +245,14 @@ class EngineSurface:
             meta.update(lens="tuned", translator=key)
         if patches:
             meta["patches"] = [dataclasses.asdict(p) for p in patches]
+        additions = self._additions(steer, req)
+        if additions:
+            meta["steer"] = [item.describe() for item in self._steers(steer)]
         model, readout, guard = self.model, self.readout, self.exclusive
         writes = patching.source_writes(model, readout, plan, guard)
-        results = lens.run(model, readout, req, meta, guard, writes=writes, translator=key)
+        results = lens.run(
+            model, readout, req, meta, guard, writes=writes, translator=key, additions=additions
+        )
         return results if isinstance(prompt, (list, tuple)) else results[0]
 
     def _patch_plan(self, req: Any, patches: list[Patch | Ablate]) -> Any:
@@ -163,6 +265,18 @@ class EngineSurface:
         return patching.plan_writes(
             self.tokenizer, patches, ids, self.info.n_layers, self._heads(patches)
         )
+
+    def _additions(self, steer: Any, req: Any) -> list:
+        """The checked additions of ``steer`` into the one prompt of ``req``."""
+        from envoykit.analyses.steering import plan_additions
+
+        steers = self._steers(steer)
+        if not steers:
+            return []
+        if len(req.prompts) != 1:
+            raise InvalidRequest("a steer goes into one prompt, not a list of them")
+        info = self.info
+        return plan_additions(steers, info.n_layers, info.d_model, len(req.prompt_ids[0]))
 
     def _heads(self, patches: Sequence[Patch | Ablate]) -> tuple[int, int] | None:
         """The model's (heads, head size) when a patch names a head; refused where its heads
@@ -279,6 +393,7 @@ class EngineSurface:
         other_token: str | int | None = None,
         batch: int = 8,
         progress: bool = True,
+        steer: Steer | Sequence[Steer] | None = None,
     ) -> SweepResult:
         """Causal tracing: patch ``source``'s stream into ``target`` at every (layer,
         position) and measure the target's next token at its last position. With
@@ -289,9 +404,11 @@ class EngineSurface:
         ``metric``: "prob" (``target_token``'s probability) or "logit_diff" (its logit minus
         ``other_token``'s). Runs ``batch`` patched copies of the target per trace (one
         invoke each), reduced on the ranks to one number each, with a progress bar; an
-        interrupt stops it between batches and leaves the engine usable.
+        interrupt stops it between batches and leaves the engine usable. ``steer``: steers
+        made in every target run (the clean one included), not in the source's;
+        ``meta["steer"]`` says so.
         """
-        from envoykit.analyses import sweep
+        from envoykit.analyses import steering, sweep
 
         info = self.info
         req = sweep.build_request(
@@ -310,8 +427,136 @@ class EngineSurface:
             n_heads=None if isinstance(self.readout.heads, str) else self.readout.heads.n_heads,
         )
         self._require_sites([site])
-        return sweep.run(
-            self.model, self.readout, req, self._result_meta(), self.exclusive, progress
+        steers = self._steers(steer)
+        additions = steering.plan_additions(
+            steers, info.n_layers, info.d_model, len(req.target_ids)
+        )
+        meta = self._result_meta()
+        if steers:
+            meta["steer"] = [item.describe() for item in steers]
+        return sweep.run(self.model, self.readout, req, meta, self.exclusive, progress, additions)
+
+    def steering_vector(
+        self,
+        positive: str | Sequence[str],
+        negative: str | Sequence[str],
+        layer: int | str,
+        *,
+        site: str = "resid",
+        position: int | None = -1,
+        progress: bool = True,
+    ) -> SteeringVector:
+        """The contrastive mean difference of the stream at (``layer``, ``site``): its mean
+        over the ``positive`` prompts minus its mean over the ``negative`` ones, at token
+        ``position`` of each prompt (default the last; None: the mean over its positions).
+        Many prompts per trace; each sends back its ``d_model`` numbers only.
+
+        Returns a `SteeringVector` carrying this model's fingerprint: ``ek.Steer(vector,
+        vector.layer, scale=...)`` steers with it, and ``save``/``load`` keep it.
+        """
+        from envoykit.analyses import steering
+        from envoykit.results.steering import SteeringVector
+
+        info = self.info
+        positive, negative = steering.check_prompt_lists(positive, negative)
+        number = steering.check_site(layer, site, info.n_layers)
+        self.readout.require("steering vectors")
+        self._require_sites([site])
+        if position is not None:
+            shortest = min(len(self.tokenizer(p)["input_ids"]) for p in (*positive, *negative))
+            if isinstance(position, bool) or not isinstance(position, int) or not (
+                -shortest <= position < shortest
+            ):
+                raise InvalidRequest(
+                    f"position {position!r} is not a token position of every prompt (the "
+                    f"shortest has {shortest} tokens); position=None takes each prompt's mean"
+                )
+        for text in (*positive, *negative):
+            if len(self.tokenizer(text)["input_ids"]) > info.max_model_len:
+                raise InvalidRequest(f"a prompt exceeds max_model_len={info.max_model_len}")
+        plus, minus = steering.mean_difference(
+            self.model,
+            self.readout,
+            positive,
+            negative,
+            number,
+            site,
+            position,
+            self.exclusive,
+            progress,
+        )
+        return SteeringVector(
+            vector=(plus - minus).astype("float32"),
+            layer=number,
+            site=site,
+            position=position,
+            positive=positive,
+            negative=negative,
+            model=self.fingerprint(),
+            meta={k: v for k, v in self._result_meta().items() if k != "vocab"},
+        )
+
+    def steer_sweep(
+        self,
+        prompt: str,
+        steer: Steer,
+        *,
+        scales: Sequence[float],
+        max_tokens: int = 16,
+        targets: Any = (),
+        layers: Any = None,
+        batch: int = 8,
+        progress: bool = True,
+    ) -> SteerSweepResult:
+        """``steer`` at each of ``scales``: every scale's greedy continuation of ``prompt``
+        and the lens probability of ``targets`` at the prompt's last position at every layer
+        of ``layers`` (as in `lens`), after steering. ``batch`` scales per trace (one invoke
+        each), with a progress bar over scales.
+
+        Returns a `SteerSweepResult`; its ``meta["steer"]`` is ``steer`` at scale 1.
+        """
+        from tqdm.auto import tqdm
+
+        from envoykit.analyses import request, steering
+        from envoykit.results.steering import SteerSweepResult
+
+        if not isinstance(steer, steering.Steer):
+            raise InvalidRequest(f"steer_sweep sweeps one ek.Steer, not {type(steer).__name__}")
+        scales = steering.check_scales(scales)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise InvalidRequest(f"batch must be an integer >= 1, not {batch!r}")
+        info = self.info
+        picked = request.normalise_layers(layers, info.n_layers)
+        found = [
+            request.single_token_target(self.tokenizer, info.vocab, t)
+            for t in request.as_list(targets)
+        ]
+        runs = [[steer.scaled(scale)] for scale in scales]
+        for run in runs:
+            self._steers(run)
+        ids, stats, meta = [], [], {}
+        with tqdm(total=len(runs), desc="steer sweep", unit="scale", disable=not progress) as bar:
+            for start in range(0, len(runs), batch):
+                chunk = runs[start : start + batch]
+                got, meta, chunk_stats = self._steered_ids(
+                    prompt, chunk, max_tokens, (picked, [t.token_id for t in found])
+                )
+                ids += got
+                stats += chunk_stats
+                bar.update(len(chunk))
+        meta["steer"] = [steer.scaled(1.0).describe()]
+        decode = self.tokenizer.decode
+        return SteerSweepResult(
+            prompt=prompt,
+            scales=scales,
+            texts=[decode(run, skip_special_tokens=True) for run in ids],
+            token_ids=ids,
+            layers=list(picked),
+            target_labels=[t.label for t in found],
+            target_tokens=[t.token for t in found],
+            target_probs=[s["target_probs"][:, 0].numpy() for s in stats],
+            top_tokens=[[decode([int(i)]) for i in s["top_ids"][:, 0, 0]] for s in stats],
+            meta=meta,
         )
 
     def _require_sites(self, sites: Sequence[str]) -> None:

@@ -28,7 +28,7 @@ from envoykit.analyses.request import (
     single_token_target,
 )
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Cell, Readout, Write
+from envoykit.model.readout import Addition, Cell, Readout, Write
 from envoykit.results.sweep import METRICS, SweepResult
 
 
@@ -149,8 +149,11 @@ def run(
     meta: dict[str, Any],
     guard: Callable[[], AbstractContextManager],
     progress: bool = True,
+    additions: Sequence[Addition] = (),
 ) -> SweepResult:
-    """Run ``request`` on ``model``; every trace under ``guard`` (the engine's lock)."""
+    """Run ``request`` on ``model``; every trace under ``guard`` (the engine's lock).
+    ``additions`` (a steer) go into every run of the target, the clean one included; the
+    source runs as it is."""
     from tqdm.auto import tqdm
 
     target_id = request.target_token.token_id
@@ -164,8 +167,8 @@ def run(
     with guard():
         read = read_cells(model, readout, request.source, [c for g in groups for c in g])
     size = len(groups[0])
-    runs = [read[i * size : (i + 1) * size] for i in range(len(groups))]
-    (clean,) = metrics(request.target, [[]])
+    runs = [[*read[i * size : (i + 1) * size], *additions] for i in range(len(groups))]
+    (clean,) = metrics(request.target, [list(additions)])
     (source_value,) = metrics(request.source, [[]])
     values: list[float] = []
     with tqdm(total=len(runs), desc="patch sweep", disable=not progress) as bar:

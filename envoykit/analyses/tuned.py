@@ -293,14 +293,22 @@ class TunedLens:
 
     def check_fingerprint(self, model: dict) -> None:
         """`check` against a model's `fingerprint` (a server checks with its own)."""
-        mine = {k: self.model.get(k) for k in _IDENTITY if k != "name"}
-        theirs = {k: v for k, v in model.items() if k in mine}
-        if mine != theirs:
-            raise InvalidRequest(
-                f"these translators were trained on {self.model.get('name')!r} "
-                f"({_shape(self.model)}), not on the engine's {model.get('name')!r} "
-                f"({_shape(theirs)}): train them on this model"
-            )
+        check_same_model(
+            self.model, model, "these translators were trained", "train them on this model"
+        )
+
+
+def check_same_model(mine: dict, model: dict, made: str, advice: str) -> None:
+    """`InvalidRequest` naming both models unless ``mine`` (the fingerprint of the model
+    something ``made`` on: "these translators were trained") identifies the same model as
+    ``model`` (a model's `fingerprint`)."""
+    ours = {k: mine.get(k) for k in _IDENTITY if k != "name"}
+    theirs = {k: v for k, v in model.items() if k in ours}
+    if ours != theirs:
+        raise InvalidRequest(
+            f"{made} on {mine.get('name')!r} ({_shape(mine)}), not on the "
+            f"engine's {model.get('name')!r} ({_shape(theirs)}): {advice}"
+        )
 
 
 def _shape(model: dict) -> str:

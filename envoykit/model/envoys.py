@@ -63,6 +63,10 @@ def envoys_map() -> dict:
     }
 
 
+# The name prefix of the edit a steered trace installs on the ranks (`Engine.trace(steer=)`).
+STEER_EDIT = "envoykit-steer-"
+
+
 class EnvoykitVLLM(VLLM):
     """nnsight's VLLM with envoykit's envoys map, shard guard and worker class.
 
@@ -120,14 +124,34 @@ class EnvoykitVLLM(VLLM):
         return meta_model
 
     def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
-        """nnsight's call without vLLM's per-call progress bars (two per lens in a notebook)."""
+        """nnsight's call without vLLM's per-call progress bars (two per lens in a notebook).
+
+        A steered trace's edit (`STEER_EDIT`) runs only in the request that names it, and is
+        cleared once that request has run; every other request runs every other edit."""
         with self.request_guard():
-            mediators = self._attach_mediators(params, **kwargs)
-            outputs = self.vllm_entrypoint.generate(
-                prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
-            )
+            named = kwargs.get("edits")
+            if named is None:
+                kwargs["edits"] = [
+                    edit.name
+                    for edit in self._installed_edits
+                    if edit.name is not None and not edit.name.startswith(STEER_EDIT)
+                ]
+            try:
+                mediators = self._attach_mediators(params, **kwargs)
+                outputs = self.vllm_entrypoint.generate(
+                    prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
+                )
+            finally:
+                if named and any(name.startswith(STEER_EDIT) for name in named):
+                    self.clear_steer_edits()
             self._collect(mediators, outputs)
         return outputs
+
+    def clear_steer_edits(self) -> None:
+        """Clear every steered trace's edit still installed (one whose trace never ran)."""
+        for edit in list(self._installed_edits):
+            if edit.name is not None and edit.name.startswith(STEER_EDIT):
+                edit.clear()
 
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:

@@ -70,6 +70,35 @@ class Write:
 
 
 @dataclass(frozen=True)
+class Addition:
+    """A vector added to the stream at ``cell`` (site "resid" or "resid_mid"; its position
+    unused), at ``positions`` of the run's rows (None: every row), each row optionally
+    rescaled to its norm before the addition (``norm_match``). Steering (`envoykit.analyses.steering`)
+    is made of these; ``vector`` is ``[d_model]`` float32 with the scale applied.
+
+    Written in float32 on the stream's device. For a pair family the stream is
+    ``hidden + residual``: the sum, steered, goes into ``hidden`` and the residual becomes
+    zero, which the next layer's (or the final norm's) fused add turns back into the stream.
+    """
+
+    cell: Cell
+    vector: torch.Tensor
+    positions: tuple[int, ...] | None = None
+    norm_match: bool = False
+
+    def apply(self, first: torch.Tensor, second: torch.Tensor | None) -> None:
+        rows = slice(None) if self.positions is None else list(self.positions)
+        stream = first[rows].float() if second is None else first[rows].float() + second[rows]
+        steered = stream + self.vector.to(stream.device)
+        if self.norm_match:
+            norms = steered.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+            steered = steered * (stream.norm(dim=-1, keepdim=True) / norms)
+        first[rows] = steered.to(first.dtype)
+        if second is not None:
+            second[rows] = 0
+
+
+@dataclass(frozen=True)
 class Readout:
     """Module paths of a model's readout and its layer family; `at` turns a path into an
     envoy.
@@ -360,7 +389,10 @@ class _Walker:
         elif not self.family.parallel and sites & {"attn", "resid_mid", "mlp"}:
             place = _tokens(self._mid_input(layer))
             for item in here:
-                if item.cell.site == "resid_mid":
+                if isinstance(item, Addition):
+                    if item.cell.site == "resid_mid":
+                        item.apply(place, None)
+                elif item.cell.site == "resid_mid":
                     place[item.cell.position] = item.value.to(place)
                 elif item.cell.site == "attn":
                     place[item.cell.position] = (before[item.cell.position] + item.value).to(place)
@@ -372,6 +404,10 @@ class _Walker:
             output = layer.output
             place = _tokens(output if self.family.output == STREAM else output[0])
             for item in here:
+                if isinstance(item, Addition):
+                    if item.cell.site == "resid":
+                        item.apply(place, None)
+                    continue
                 p, value = item.cell.position, item.value.to(place)
                 if item.cell.site == "resid":
                     place[p] = value
@@ -481,15 +517,17 @@ def _write(
     """Overwrite, in place, the cells of ``sites`` in the pair (or the stream) the model is
     about to use."""
     for item in writes:
-        if item.cell.site in sites:
+        if item.cell.site in sites and isinstance(item, Addition):
+            item.apply(first, second)
+        elif item.cell.site in sites:
             first[item.cell.position] = item.value.to(first)
             if item.residual is not None and second is not None:
                 second[item.cell.position] = item.residual.to(second)
 
 
-def writes_by_layer(writes: Sequence[Write]) -> dict[int, list[Write]]:
-    """Writes grouped by layer number, as `walk` takes them."""
-    layers: dict[int, list[Write]] = {}
+def writes_by_layer(writes: Sequence[Write | Addition]) -> dict[int, list[Write | Addition]]:
+    """Writes (and additions) grouped by layer number, as `walk` takes them."""
+    layers: dict[int, list[Write | Addition]] = {}
     for item in writes:
         layers.setdefault(item.cell.layer, []).append(item)
     return layers

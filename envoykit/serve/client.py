@@ -154,6 +154,13 @@ class Connection(EngineSurface):
             )
         return translator.key
 
+    def _steered_trace(self, additions: Any, prompts: tuple, kwargs: dict) -> Any:
+        raise InvalidRequest(
+            "a steered engine.trace installs a block on the ranks, which needs the engine in "
+            "this process; through a server, steer with lens(..., steer=), "
+            "generate(..., steer=) or steer_sweep"
+        )
+
     def _greedy(self, prompt: str, max_tokens: int) -> Any:
         with self.exclusive():
             return _completion(self.model, prompt, max_tokens)

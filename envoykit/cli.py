@@ -1,10 +1,10 @@
 """The ``envoykit`` command: ``models``, ``info``, ``lens``, ``tune``, ``attribute``,
-``attention``, ``serve`` and ``lab``.
+``attention``, ``steer``, ``serve`` and ``lab``.
 
 Engines need the ``if __name__ == "__main__"`` guard vLLM's spawned ranks expect; a console
-script's entry point provides it. ``info``, ``lens``, ``tune``, ``attribute`` and
-``attention`` start an engine of their own, or with ``--server [URL]`` use a running
-``envoykit serve``.
+script's entry point provides it. ``info``, ``lens``, ``tune``, ``attribute``,
+``attention`` and ``steer`` start an engine of their own, or with ``--server [URL]`` use a
+running ``envoykit serve``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                 _print_attribution(engine, args)
             elif args.command == "attention":
                 _print_attention(engine, args)
+            elif args.command == "steer":
+                _print_steering(engine, args)
             else:
                 _print_lens(engine, args)
     except EnvoykitError as error:
@@ -100,11 +102,37 @@ def _parser() -> argparse.ArgumentParser:
     attention.add_argument("--out", type=Path, default=Path("attention.png"))
     attention.add_argument("--json", type=Path, help="also write the AttentionResult")
 
+    _steer_options(commands)
     _serve_options(commands)
     lab = commands.add_parser("lab", help="JupyterLab on notebooks/, bound to 127.0.0.1")
     lab.add_argument("--port", type=int, default=8888)
     lab.add_argument("--dir", type=Path, default=Path("notebooks"))
     return parser
+
+
+def _steer_options(commands: Any) -> None:
+    steer = commands.add_parser(
+        "steer",
+        help="steer a prompt's generation with a contrastive direction, at several strengths",
+        description="Build a steering vector from --positive and --negative prompts (or load "
+        "one with --vector), then continue PROMPT greedily at scale 0 and each --scales, in "
+        "one trace, printing every continuation and the targets' probability at the last layer.",
+    )
+    steer.add_argument("prompt")
+    _engine_options(steer)
+    steer.add_argument("--positive", action="append", default=[], help="prompt (repeatable)")
+    steer.add_argument("--negative", action="append", default=[], help="prompt (repeatable)")
+    steer.add_argument("--vector", type=Path, help="a steering vector saved by --save-vector")
+    steer.add_argument("--layer", type=int, help="decoder layer to steer after (1 = first)")
+    steer.add_argument(
+        "--scales", default="-4,4", help="comma-separated strengths (default -4,4; 0 is added)"
+    )
+    steer.add_argument("--norm-match", action="store_true", help="keep each row's norm")
+    steer.add_argument("--max-tokens", type=int, default=16)
+    steer.add_argument("--target", action="append", default=[], help="target token (repeatable)")
+    steer.add_argument("--save-vector", type=Path, help="write the vector built (safetensors)")
+    steer.add_argument("--out", type=Path, default=Path("steering.png"), help="with --target")
+    steer.add_argument("--json", type=Path, help="also write the SteerSweepResult as JSON")
 
 
 def _serve_options(commands: Any) -> None:
@@ -305,6 +333,46 @@ def _print_attention(engine, args: argparse.Namespace) -> None:
         )
     plot.attention(res, layer, head).savefig(args.out, dpi=120)
     print(f"figure written to {args.out}")
+    if args.json:
+        res.to_json(str(args.json))
+        print(f"result written to {args.json}")
+
+
+def _print_steering(engine, args: argparse.Namespace) -> None:
+    from envoykit import InvalidRequest, Steer, SteeringVector, plot
+
+    if args.vector is not None:
+        if args.positive or args.negative:
+            raise InvalidRequest("give --vector or --positive/--negative prompts, not both")
+        vector = SteeringVector.load(args.vector)
+    elif args.layer is None or not (args.positive and args.negative):
+        raise InvalidRequest(
+            "a steering vector needs --layer and at least one --positive and one --negative "
+            "prompt (or --vector PATH)"
+        )
+    else:
+        vector = engine.steering_vector(args.positive, args.negative, args.layer)
+    layer = vector.layer if args.layer is None else args.layer
+    try:
+        scales = sorted({0.0, *(float(x) for x in args.scales.split(",") if x.strip())})
+    except ValueError as error:
+        raise InvalidRequest(f"--scales takes comma-separated numbers, not {args.scales!r}") from error
+    steer = Steer(vector, layer, norm_match=args.norm_match)
+    res = engine.steer_sweep(
+        args.prompt, steer, scales=scales, max_tokens=args.max_tokens, targets=args.target
+    )
+    print(f"steering {args.prompt!r} on {engine.info.name}, {engine.info.tp} rank(s):")
+    print(f"  vector: {vector.label}, norm {vector.norm:.4g}; added after layer {layer}")
+    for i, scale in enumerate(res.scales.tolist()):
+        probs = "".join(
+            f"   p({t!r})={res.target_probs[i, -1, n]:.3f}" for n, t in enumerate(res.target_tokens)
+        )
+        print(f"  scale {scale:>+7g}: {res.texts[i]!r}{probs}")
+    if args.save_vector:
+        print(f"vector written to {vector.save(args.save_vector)}")
+    if res.target_labels:
+        plot.steering(res, 0).savefig(args.out, dpi=120)
+        print(f"figure written to {args.out}")
     if args.json:
         res.to_json(str(args.json))
         print(f"result written to {args.json}")

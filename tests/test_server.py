@@ -244,6 +244,28 @@ def test_attention_heads_and_head_edits_equal_in_process(client, tiny2):
     assert_same_lens(client.lens(PROMPT, patch=edits), tiny2.lens(PROMPT, patch=edits))
 
 
+def test_steering_through_the_server_equals_in_process(client, tiny2):
+    """A vector built through the server, a steered generation, lens and sweep, as in process;
+    a steered trace, which installs a block on the ranks, is refused with what works."""
+    positive, negative = ["I love it, it is great"], ["I hate it, it is awful"]
+    remote = client.steering_vector(positive, negative, 2, progress=False)
+    local = tiny2.steering_vector(positive, negative, 2, progress=False)
+    np.testing.assert_allclose(remote.vector, local.vector, atol=1e-5)
+    assert remote.model == local.model
+    steer = ek.Steer(local, 2, scale=3.0)
+    generated = client.generate(PROMPT, 8, steer=steer)
+    assert generated.token_ids == tiny2.generate(PROMPT, 8, steer=steer).token_ids
+    assert generated.meta["steer"][0]["scale"] == 3.0
+    assert_same_lens(client.lens(PROMPT, steer=steer), tiny2.lens(PROMPT, steer=steer))
+    sweep = client.steer_sweep(PROMPT, steer, scales=[-1, 1], max_tokens=4, progress=False)
+    assert sweep.token_ids == tiny2.steer_sweep(
+        PROMPT, steer, scales=[-1, 1], max_tokens=4, progress=False
+    ).token_ids
+    with pytest.raises(ek.InvalidRequest, match="through a server, steer with lens"):
+        client.trace(PROMPT, steer=steer)
+    assert client.generate_ids(PROMPT, 4) == tiny2.generate_ids(PROMPT, 4)
+
+
 def test_generation_and_plain_traces_run_on_the_server(client, tiny2):
     assert client.generate_ids(PROMPT, 8) == tiny2.generate_ids(PROMPT, 8)
     assert client.generate(PROMPT, 8) == tiny2.generate(PROMPT, 8)
@@ -448,6 +470,28 @@ def test_cli_lens_through_the_server(server, tiny2, tmp_path):
     for (layer, token, _), line in zip(res.top1(-1), out.stdout.splitlines()[2:]):
         assert line.split(":", 1)[1].strip().startswith(repr(token)), (layer, line)
     assert figure.stat().st_size > 0
+
+
+def test_cli_steer_through_the_server(server, tiny2, tmp_path):
+    saved, stored = tmp_path / "v.safetensors", tmp_path / "steer.json"
+    command = [sys.executable, "-m", "envoykit.cli", "steer", PROMPT, "--server", server.url]
+    vector = ["--positive", "I love it", "--negative", "I hate it", "--layer", "2"]
+    out = subprocess.run(
+        [*command, *vector, "--scales", "2", "--max-tokens", "6", "--target", "e",
+         "--save-vector", str(saved), "--json", str(stored), "--out", str(tmp_path / "s.png")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    steer = ek.Steer(ek.SteeringVector.load(saved), 2, scale=2.0)
+    expected = tiny2.generate(PROMPT, 6, steer=steer)
+    assert f"scale      +2: {str(expected)!r}" in out.stdout
+    assert ek.SteerSweepResult.from_json(str(stored)).token_ids[1] == expected.token_ids
+    bad = subprocess.run(
+        [*command, "--positive", "I love it", "--layer", "2"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "at least one --positive and one --negative" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_cli_attention_through_the_server(server, tiny2, tmp_path):

@@ -249,6 +249,7 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
     and answer nnsight's payload: ``{"saves": {name: value}, "error": deferred or None}``."""
     from nnsight.intervention.errors import capture_exception
     from nnsight.modeling.vllm.serve import server as nnsight_server
+    from nnsight.tracing.globals import SOURCES
     from vllm.v1.engine.exceptions import EngineDeadError
 
     model = nnsight_server._ready()
@@ -260,6 +261,10 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
         except Exception as error:
             detail = f"not a serialized nnsight trace: {type(error).__name__}: {error}"
             raise HTTPException(status_code=400, detail=detail[:500]) from error
+        # The block's source now stands in linecache for its file; nnsight reads a file's
+        # source once, so the invokes of a second block from the same file (two traces of
+        # one module) would be looked up in the first block's text.
+        SOURCES.pop(tracer.info.frame.f_code.co_filename, None)
         try:
             mediators, (prompts, params, loras), kwargs = tracer.prepare(tracer.info.code)
             model._attach_mediators(params, **kwargs)

@@ -356,7 +356,9 @@ def _print_steering(engine, args: argparse.Namespace) -> None:
     try:
         scales = sorted({0.0, *(float(x) for x in args.scales.split(",") if x.strip())})
     except ValueError as error:
-        raise InvalidRequest(f"--scales takes comma-separated numbers, not {args.scales!r}") from error
+        raise InvalidRequest(
+            f"--scales takes comma-separated numbers, not {args.scales!r}"
+        ) from error
     steer = Steer(vector, layer, norm_match=args.norm_match)
     res = engine.steer_sweep(
         args.prompt, steer, scales=scales, max_tokens=args.max_tokens, targets=args.target

@@ -171,6 +171,37 @@ def patched_logits(path: str, source: str, target: str, layer: int, position: in
         handle.remove()
 
 
+def steering_vector(d_model: int) -> torch.Tensor:
+    """The matrix's steering vector: seeded, norm 4."""
+    v = torch.randn(d_model, generator=torch.Generator().manual_seed(0))
+    return v * (4.0 / v.norm())
+
+
+@torch.no_grad()
+def steered_logits(path: str, prompt: str, layer: int, norm_match: bool) -> torch.Tensor:
+    """Output logits ``[T, vocab]`` with `steering_vector` added to the stream after decoder
+    layer ``layer`` (1-based) at every position, each row rescaled to its old norm with
+    ``norm_match``."""
+    model, tokenizer = load(path)
+    layers, _ = _children(model)
+    vector = steering_vector(model.config.hidden_size)
+
+    def add(m, a, o):
+        stream = _first(o)
+        before = stream[0].clone()
+        after = before + vector
+        if norm_match:
+            after = after * before.norm(dim=-1, keepdim=True) / after.norm(dim=-1, keepdim=True)
+        stream[0] = after
+        return o
+
+    handle = layers[layer - 1].register_forward_hook(add)
+    try:
+        return model(torch.tensor([tokenizer(prompt)["input_ids"]])).logits[0].float()
+    finally:
+        handle.remove()
+
+
 @torch.no_grad()
 def attentions(path: str, prompt: str) -> torch.Tensor | None:
     """``[n_layers, heads, T, T]``: transformers' eager attention weights
@@ -241,8 +272,9 @@ def reference(path: str, prompt: str, other: str, parallel: bool) -> dict:
     """Everything the matrix tests compare against, computed in a fresh process: ``lens``
     ``[n_layers + 1, T, vocab]``, ``sites`` (site -> ``[n_layers, T, vocab]``), ``patched``
     (``other``'s logits with ``prompt``'s stream after layer 2 at the last position),
-    ``soft_cap`` (the model's final logit soft-cap, or None) and ``attentions`` (eager
-    attention weights ``[n_layers, heads, T, T]``, or None)."""
+    ``soft_cap`` (the model's final logit soft-cap, or None), ``attentions`` (eager
+    attention weights ``[n_layers, heads, T, T]``, or None), and ``steered`` /
+    ``steered_norm`` (``prompt``'s logits steered after layer 2, `steered_logits`)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "reference.pt"
         args = [path, prompt, other, str(int(parallel)), str(out)]
@@ -267,6 +299,8 @@ def _main(path: str, prompt: str, other: str, parallel: str, out: str) -> None:
             "head_patched": head_edited_logits(path, other, 2, 1, "patch", source=prompt),
             "head_zero": head_edited_logits(path, prompt, 2, 1, "zero"),
             "head_mean": head_edited_logits(path, prompt, 2, 1, "mean"),
+            "steered": steered_logits(path, prompt, 2, norm_match=False),
+            "steered_norm": steered_logits(path, prompt, 2, norm_match=True),
         },
         out,
     )

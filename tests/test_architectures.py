@@ -128,6 +128,16 @@ def test_a_mid_layer_patch_equals_a_hook_patch(case):
     _assert_lens_matches(res, case.ref["patched"][None])
 
 
+@pytest.mark.parametrize("norm_match", [False, True])
+def test_a_steer_equals_a_hook_addition(case, norm_match):
+    vector = ref.steering_vector(case.engine.info.d_model)
+    steer = ek.Steer(vector, 2, norm_match=norm_match)
+    res = case.engine.lens(PROMPT, layers=[-1], top_k=5, steer=steer)
+    _assert_lens_matches(res, case.ref["steered_norm" if norm_match else "steered"][None])
+    plain = case.engine.lens(PROMPT, layers=[-1], top_k=5)
+    assert not np.allclose(plain.top_probs, res.top_probs, atol=1e-6)  # the steer took effect
+
+
 def test_attention_patterns_equal_transformers_eager(case):
     engine = case.engine
     if isinstance(engine.readout.heads, str):  # multi-head latent attention (DeepSeek)

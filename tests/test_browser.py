@@ -42,6 +42,7 @@ ARTIFACTS = ROOT / "artifacts"
 NOTEBOOK = Path(__file__).parent / "browser" / "explorer.ipynb"
 READ_ONLY_NOTEBOOK = Path(__file__).parent / "browser" / "readonly.ipynb"
 ATTENTION_NOTEBOOK = Path(__file__).parent / "browser" / "attention.ipynb"
+STEERING_NOTEBOOK = Path(__file__).parent / "browser" / "steering.ipynb"
 # The heatmaps of an explorer: the first prompt's, and in compare mode the second prompt's
 # (cells to drag) and the diff. The standalone page has one, of no explorer.
 HEATMAP = ".ek-heatmap"
@@ -565,6 +566,93 @@ def test_attention_view_in_jupyterlab(browser, tmp_path):
     finally:
         page.close()
         lab.stop()
+
+
+@pytest.mark.engine
+def test_steering_panel_in_jupyterlab(browser, tmp_path):
+    """Typed into the steering panel by hand: two prompt lists with markup in them; Generate
+    shows the plain and the steered continuation side by side, as the kernel holds them and
+    as text, and draws the diff, flat before the steered layer; an empty list is a message,
+    not a traceback; JupyterLab Dark darkens the continuations and the diff."""
+    work = tmp_path / "work"
+    work.mkdir()
+    state_path = tmp_path / "state.json"
+    notebook = STEERING_NOTEBOOK.read_text().replace("__STATE__", str(state_path))
+    (work / "steering.ipynb").write_text(notebook)
+
+    def state() -> dict:
+        try:
+            return json.loads(state_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    lab = Lab(tmp_path)
+    page = browser.new_page(viewport={"width": 1300, "height": 1000})
+    view = ".ek-steering"
+    kernel_tree: list[psutil.Process] = []
+    try:
+        open_and_run(page, lab, "steering.ipynb", "notebook:run-all-above")
+        button = page.locator(f"{view} button.widget-button", has_text="Generate")
+        button.wait_for(timeout=240000)
+        kernel_tree = [_process(wait_for(lambda: state().get("pid"), 60, "the kernel state"))]
+        kernel_tree += _children(kernel_tree[0].pid)
+        boxes = page.locator(f"{view} textarea")
+        boxes.nth(1).fill(f"I love it {XSS_IMG}\nwhat a great day")
+        button.click()  # the negative list is still empty
+        wait_for(lambda: "negative prompts are empty" in state().get("header", ""), 60, "refusal")
+        assert page.locator(f"{view} .ek-continuation").count() == 0
+        assert "Traceback" not in page.locator(view).inner_text()
+
+        boxes.nth(2).fill("I hate it\nwhat an awful day")
+        button.click()
+        done = wait_for(lambda: (s := state()).get("steered") is not None and s, 120, "Generate")
+        assert done["positive"] == [f"I love it {XSS_IMG}", "what a great day"]
+        shown = page.locator(f"{view} .ek-continuation")
+        wait_for(lambda: shown.count() == 2, 30, "both continuations")
+        texts = [el.inner_text() for el in shown.all()]
+        assert texts[0].endswith(done["prompt"] + done["plain"])
+        assert texts[1].endswith(done["prompt"] + done["steered"])
+        assert texts[1].startswith("steered: layer 2, strength +4")
+        assert done["plain"] != done["steered"] and done["js_before"] < 1e-12
+        page.wait_for_selector(f"{view} .ek-steer-diff .ek-heatmap[data-drawn]", timeout=30000)
+        assert_nothing_ran(page)
+        assert page.locator(f"{view} img").count() == 0  # the prompt's markup shows as text
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(view).screenshot(path=str(ARTIFACTS / "steering_panel.png"))
+
+        page.evaluate(
+            "() => window.jupyterapp.commands.execute("
+            "'apputils:change-theme', {theme: 'JupyterLab Dark'})"
+        )
+        page.wait_for_function(
+            f"() => ({CANVAS_BACKGROUND})("
+            f"document.querySelector('{view} .ek-steer-diff .ek-heatmap')) < 0.1",
+            timeout=30000,
+        )
+        page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30000)
+        colour = shown.nth(1).locator(".ek-continuation-text")
+        assert css_luminance(colour.evaluate("el => getComputedStyle(el).color")) > 0.8
+        page.locator(view).screenshot(path=str(ARTIFACTS / "steering_panel_dark.png"))
+
+        page.evaluate(
+            """() => {
+                const panel = window.jupyterapp.shell.currentWidget;
+                panel.content.activeCellIndex = panel.content.widgets.length - 1;
+                window.jupyterapp.commands.execute('notebook:run-cell');
+            }"""
+        )
+        wait_for((tmp_path / "closed").exists, 60, "the engine to close")
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "steering_panel_failure.png"))
+        raise
+    finally:
+        page.close()
+        lab.stop()
+        _, alive = psutil.wait_procs([p for p in kernel_tree if p], timeout=20)
+        for process in alive:
+            process.kill()
+        assert not alive, "the kernel or the engine's ranks outlived the test"
 
 
 def center(box: dict[str, float]) -> tuple[float, float]:

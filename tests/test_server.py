@@ -258,9 +258,10 @@ def test_steering_through_the_server_equals_in_process(client, tiny2):
     assert generated.meta["steer"][0]["scale"] == 3.0
     assert_same_lens(client.lens(PROMPT, steer=steer), tiny2.lens(PROMPT, steer=steer))
     sweep = client.steer_sweep(PROMPT, steer, scales=[-1, 1], max_tokens=4, progress=False)
-    assert sweep.token_ids == tiny2.steer_sweep(
-        PROMPT, steer, scales=[-1, 1], max_tokens=4, progress=False
-    ).token_ids
+    assert (
+        sweep.token_ids
+        == tiny2.steer_sweep(PROMPT, steer, scales=[-1, 1], max_tokens=4, progress=False).token_ids
+    )
     with pytest.raises(ek.InvalidRequest, match="through a server, steer with lens"):
         client.trace(PROMPT, steer=steer)
     assert client.generate_ids(PROMPT, 4) == tiny2.generate_ids(PROMPT, 4)

@@ -61,7 +61,9 @@ class TestExact:
         assert_final_distribution(res, logits)
         assert res.meta["steer"][0]["scale"] == 1.0
 
-    @pytest.mark.parametrize(("layer", "site", "positions"), [(0, "resid", None), (2, "resid_mid", [1, -1])])
+    @pytest.mark.parametrize(
+        ("layer", "site", "positions"), [(0, "resid", None), (2, "resid_mid", [1, -1])]
+    )
     def test_sites_and_positions_equal_transformers(self, tiny2, layer, site, positions):
         v = vector(tiny2, seed=1)
         res = tiny2.lens(
@@ -180,8 +182,12 @@ class TestSweep:
     def test_patch_sweep_steers_the_target(self, tiny2):
         steer = ek.Steer(vector(tiny2, seed=6), 1)
         sweep = tiny2.patch_sweep(
-            PROMPT, "The capital of Italy is", layers=[2], target_token=TARGET,
-            steer=steer, progress=False,
+            PROMPT,
+            "The capital of Italy is",
+            layers=[2],
+            target_token=TARGET,
+            steer=steer,
+            progress=False,
         )
         lens = tiny2.lens("The capital of Italy is", layers=[-1], targets=[TARGET], steer=steer)
         assert sweep.clean == pytest.approx(float(lens.target(TARGET).prob[0, -1]), abs=1e-5)
@@ -219,3 +225,57 @@ def test_bad_vector_requests_are_refused(tiny2):
         tiny2.steer_sweep(PROMPT, ek.Steer(vector(tiny2), 1), scales=[])
     with pytest.raises(ek.InvalidRequest, match="positions=None"):
         tiny2.trace(PROMPT, steer=ek.Steer(vector(tiny2), 1, positions=[0]))
+
+
+class TestPanel:
+    def test_generate_shows_both_continuations_and_their_diff(self, tiny2):
+        from envoykit.explorer import SteeringPanel
+
+        panel = SteeringPanel(
+            tiny2, prompt=PROMPT, positive=POSITIVE, negative=NEGATIVE, layer=2, scale=2.0,
+            max_tokens=6, targets=[TARGET],
+        )  # fmt: skip
+        steered = panel.generate()
+        vector = tiny2.steering_vector(POSITIVE, NEGATIVE, 2, progress=False)
+        np.testing.assert_array_equal(panel.vector.vector, vector.vector)
+        expected = tiny2.generate(PROMPT, 6, steer=ek.Steer(vector, 2, scale=2.0))
+        assert steered.token_ids == expected.token_ids
+        assert panel.plain.token_ids == tuple(tiny2.generate_ids(PROMPT, 6))
+        assert str(expected) in html_text(panel.steered_view.value)
+        cmp = panel.comparison
+        assert panel.diff.metric == TARGET and cmp.target_labels == (TARGET,)
+        # Before the steer the two runs are one (JS to float64 rounding of a sum).
+        assert cmp.js[cmp.layers < 2].max() < 1e-12 < cmp.js[cmp.layers >= 2].max()
+        assert "steered at layer 2 x2" in cmp.b
+        again = panel.vector
+        panel.scale.value = -1.0
+        panel.generate()
+        assert panel.vector is again  # same lists and layer: not built again
+
+    def test_bad_input_is_a_message(self, tiny2):
+        from envoykit.explorer import SteeringPanel
+
+        panel = SteeringPanel(tiny2, prompt=PROMPT, positive=["<b>up</b>"], negative=[])
+        assert panel.generate() is None
+        assert "negative prompts are empty" in panel.header.value
+        assert panel.steered is None and panel.diff.data == {}
+        panel.negative.value = "down"
+        panel.layer.value = 1
+        assert panel.generate() is not None
+        assert "<b>up</b>" not in panel.header.value  # every text escaped
+
+    def test_explorer_steers_its_own_prompt(self, tiny2):
+        explorer = ek.LensExplorer(tiny2, prompt=PROMPT, targets=[TARGET])
+        panel = explorer.steering_panel
+        assert panel in explorer.children and panel.prompt.value == PROMPT
+        explorer.prompt.value = "The capital of Italy is"
+        explorer.targets.value = "e, a"
+        assert panel.prompt.value == "The capital of Italy is" and panel.targets.value == "e, a"
+
+
+def html_text(markup: str) -> str:
+    """The text of escaped markup, as a browser shows it."""
+    import html
+    import re
+
+    return html.unescape(re.sub(r"<[^>]+>", "", markup))

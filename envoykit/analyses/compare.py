@@ -30,8 +30,9 @@ from envoykit.analyses.request import (
     normalise_prompts,
     single_token_target,
 )
+from envoykit.analyses.steering import Steer, as_steers, plan_additions
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Write, at, normalize, walk, writes_by_layer
+from envoykit.model.readout import Addition, Write, at, normalize, walk, writes_by_layer
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import vocab_parallel
 from envoykit.results.compare import CompareResult
@@ -39,27 +40,30 @@ from envoykit.results.compare import CompareResult
 
 @dataclass(frozen=True)
 class Run:
-    """One side of a comparison: a prompt on an engine, optionally patched."""
+    """One side of a comparison: a prompt on an engine, optionally patched and steered."""
 
     engine: Any
     prompt: str
     patch: Patch | Sequence[Patch] | None = None
+    steer: Steer | Sequence[Steer] | None = None
 
     def describe(self) -> str:
         info = self.engine.info
         patched = f", {len(as_patches(self.patch))} patch(es)" if self.patch else ""
-        return f"{info.name} tp={info.tp} {info.dtype}: {self.prompt!r}{patched}"
+        steers = as_steers(self.steer)
+        steered = "".join(f", steered at layer {s.layer} x{s.scale:g}" for s in steers)
+        return f"{info.name} tp={info.tp} {info.dtype}: {self.prompt!r}{patched}{steered}"
 
 
 def as_run(value: Any) -> Run:
-    """A `Run`, or an ``(engine, prompt[, patch])`` tuple."""
+    """A `Run`, or an ``(engine, prompt[, patch[, steer]])`` tuple."""
     if isinstance(value, Run):
         return value
-    if isinstance(value, tuple) and len(value) in (2, 3):
+    if isinstance(value, tuple) and len(value) in (2, 3, 4):
         return Run(*value)
     raise InvalidRequest(
-        f"compare takes ek.Run(engine, prompt, patch=None) or (engine, prompt[, patch]), not "
-        f"{type(value).__name__}"
+        "compare takes ek.Run(engine, prompt, patch=None, steer=None) or (engine, prompt"
+        f"[, patch[, steer]]), not {type(value).__name__}"
     )
 
 
@@ -153,18 +157,23 @@ def _as_list(value: Any) -> list:
     return [value] if isinstance(value, (str, int)) else list(value)
 
 
-def _writes(run: Run, ids: list[int]) -> list[Write]:
-    """The patches of ``run``, read from their sources on the run's engine."""
+def _writes(run: Run, ids: list[int]) -> list[Write | Addition]:
+    """The patches of ``run``, read from their sources on the run's engine, and its steers."""
+    engine, info = run.engine, run.engine.info
+    additions = plan_additions(engine._steers(run.steer), info.n_layers, info.d_model, len(ids))
     patches = as_patches(run.patch)
     if not patches:
-        return []
-    engine = run.engine
-    plan = plan_writes(engine.tokenizer, patches, ids, engine.info.n_layers, engine._heads(patches))
-    return source_writes(engine.model, engine.readout, plan, engine.exclusive)
+        return additions
+    plan = plan_writes(engine.tokenizer, patches, ids, info.n_layers, engine._heads(patches))
+    return source_writes(engine.model, engine.readout, plan, engine.exclusive) + additions
 
 
 def _normed_rows(
-    model: Any, readout: Any, layers: Sequence[int], writes: list[Write], picked: torch.Tensor
+    model: Any,
+    readout: Any,
+    layers: Sequence[int],
+    writes: list[Write | Addition],
+    picked: torch.Tensor,
 ) -> torch.Tensor:
     """Inside a trace: ``[layers, positions, d_model]``, the residual stream after each of
     ``layers`` (with ``writes`` made) through the final norm, at the ``picked`` positions."""

@@ -65,7 +65,8 @@ class Steer:
         return {
             "layer": self.layer if isinstance(self.layer, str) else int(self.layer),
             "site": self.site,
-            "positions": positions if positions is None or isinstance(positions, int)
+            "positions": positions
+            if positions is None or isinstance(positions, int)
             else [int(p) for p in positions],
             "scale": float(self.scale),
             "norm_match": bool(self.norm_match),
@@ -99,7 +100,9 @@ def plan_additions(
             raise InvalidRequest(f"norm_match is True or False, not {steer.norm_match!r}")
         positions = _positions(steer.positions, length)
         additions.append(
-            Addition(Cell(layer, steer.site, None), vector * float(scale), positions, steer.norm_match)
+            Addition(
+                Cell(layer, steer.site, None), vector * float(scale), positions, steer.norm_match
+            )
         )
     return additions
 
@@ -122,8 +125,10 @@ def check_scales(scales: Any) -> list[float]:
     if not items:
         raise InvalidRequest("scales is empty: give the strengths to sweep")
     for scale in items:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not (
-            math.isfinite(scale)
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float, np.floating))
+            or not (math.isfinite(scale))
         ):
             raise InvalidRequest(f"a steer's scale is a finite number, not {scale!r}")
     return [float(scale) for scale in items]
@@ -137,10 +142,9 @@ def check_vector(value: Any, d_model: int) -> torch.Tensor:
             f"a steering vector is a tensor, an array or an ek.SteeringVector, not "
             f"{type(value).__name__}"
         )
-    if not (vector.is_floating_point()):
-        raise InvalidRequest(
-            f"a steering vector holds floating-point numbers, not {str(vector.dtype).split('.')[-1]}"
-        )
+    if not vector.is_floating_point():
+        dtype = str(vector.dtype).removeprefix("torch.")
+        raise InvalidRequest(f"a steering vector holds floating-point numbers, not {dtype}")
     if tuple(vector.shape) != (d_model,):
         raise InvalidRequest(
             f"a steering vector of this model has d_model={d_model} numbers, not shape "
@@ -190,7 +194,9 @@ def at_step(additions: Sequence[Addition], step: int) -> list[Addition]:
     return list(additions) if step == 0 else [a for a in additions if a.positions is None]
 
 
-def steer_in_trace(model: Any, readout: Readout, additions: Sequence[Addition], tracer: Any) -> None:
+def steer_in_trace(
+    model: Any, readout: Readout, additions: Sequence[Addition], tracer: Any
+) -> None:
     """The body of a block that steers every step of whatever it runs in (an installed
     edit, see `Engine.trace`)."""
     layer_list = at(model, readout.layers)
@@ -255,9 +261,11 @@ def generated_ids(
                     here = writes_by_layer(at_step(additions, step))
                     streams = walk(readout, layer_list, reads if step == 0 else {}, here)
                     if step == 0 and lens is not None:
-                        layers, targets, position = lens
+                        _, targets, position = lens
                         where = torch.tensor([position])
-                        found = lens_statistics(norm, head.vocab_shard(), streams, where, 1, targets)
+                        found = lens_statistics(
+                            norm, head.vocab_shard(), streams, where, 1, targets
+                        )
                         stats.append({key: value.cpu() for key, value in found.items()})
                     samples.append(model.samples.cpu())
     if len(runs) == 1:
@@ -284,7 +292,9 @@ def mean_difference(
 
     prompts = [*positive, *negative]
     rows = []
-    with tqdm(total=len(prompts), desc="steering vector", unit="prompt", disable=not progress) as bar:
+    with tqdm(
+        total=len(prompts), desc="steering vector", unit="prompt", disable=not progress
+    ) as bar:
         for start in range(0, len(prompts), _PROMPTS_PER_TRACE):
             chunk = prompts[start : start + _PROMPTS_PER_TRACE]
             with guard():
@@ -295,7 +305,12 @@ def mean_difference(
 
 
 def _streams_at(
-    model: Any, readout: Readout, prompts: Sequence[str], layer: int, site: str, position: int | None
+    model: Any,
+    readout: Readout,
+    prompts: Sequence[str],
+    layer: int,
+    site: str,
+    position: int | None,
 ) -> list[torch.Tensor]:
     """One trace, one invoke per prompt: each prompt's stream row ``[d_model]``."""
     import nnsight

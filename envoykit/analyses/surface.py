@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from envoykit.results.attention import AttentionResult
     from envoykit.results.attribution import AttributionResult
     from envoykit.results.compare import CompareResult
-    from envoykit.results.steering import Generation, SteerSweepResult, SteeringVector
+    from envoykit.results.steering import Generation, SteeringVector, SteerSweepResult
     from envoykit.results.sweep import SweepResult
     from envoykit.runtime.info import ModelInfo
 
@@ -96,7 +96,10 @@ class EngineSurface:
             model = getattr(item.vector, "model", None)
             if model is not None:
                 check_same_model(
-                    dict(model), self.fingerprint(), "this steering vector was built", "build one on this model"
+                    dict(model),
+                    self.fingerprint(),
+                    "this steering vector was built",
+                    "build one on this model",
                 )
         if steers:
             self.readout.require("steering")
@@ -135,7 +138,8 @@ class EngineSurface:
                 f"max_model_len={info.max_model_len}"
             )
         planned = [
-            steering.plan_additions(steers, info.n_layers, info.d_model, len(ids)) for steers in runs
+            steering.plan_additions(steers, info.n_layers, info.d_model, len(ids))
+            for steers in runs
         ]
         where = None if lens is None else (*lens, len(ids) - 1)
         found, stats = steering.generated_ids(
@@ -464,8 +468,10 @@ class EngineSurface:
         self._require_sites([site])
         if position is not None:
             shortest = min(len(self.tokenizer(p)["input_ids"]) for p in (*positive, *negative))
-            if isinstance(position, bool) or not isinstance(position, int) or not (
-                -shortest <= position < shortest
+            if (
+                isinstance(position, bool)
+                or not isinstance(position, int)
+                or not (-shortest <= position < shortest)
             ):
                 raise InvalidRequest(
                     f"position {position!r} is not a token position of every prompt (the "

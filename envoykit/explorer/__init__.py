@@ -7,11 +7,12 @@ and arranged), `controller` (`LensExplorer`, which ties inputs, views and the en
 together), `attribution_panel` (the direct logit attribution at the selected cell),
 `attention_panel` (what the selected cell's position attends to, per layer and head),
 `compare_panel` (a second prompt's heatmap to drag cells from, the diff, and which patch a
-drop means), `sweep_panel` (a patch sweep with a progress bar), `outputs` (figures and
-messages as plain ipywidgets show them), `export` (figures, JSON and the standalone page) and
-`assets` (the browser modules in ``widgets/``, read once). The browser side is framework-free
-anywidget modules, no build step; state crosses between kernel and browser only through named
-traitlets, so every interaction can be driven and checked from Python.
+drop means), `sweep_panel` (a patch sweep with a progress bar), `steering_panel` (a direction
+from two prompt lists, the plain and steered continuations, their diff), `outputs` (figures
+and messages as plain ipywidgets show them), `export` (figures, JSON and the standalone page)
+and `assets` (the browser modules in ``widgets/``, read once). The browser side is
+framework-free anywidget modules, no build step; state crosses between kernel and browser only
+through named traitlets, so every interaction can be driven and checked from Python.
 """
 
 from envoykit.explorer.assets import widgets_dir
@@ -21,6 +22,7 @@ from envoykit.explorer.compare_panel import ComparePanel
 from envoykit.explorer.controller import LensExplorer
 from envoykit.explorer.export import standalone_html
 from envoykit.explorer.payload import compare_data, heatmap_data, picker_layers, result_layers
+from envoykit.explorer.steering_panel import SteeringPanel
 from envoykit.explorer.sweep_panel import SweepPanel
 from envoykit.explorer.views import AttentionView, Heatmap, LayerPicker
 
@@ -32,6 +34,7 @@ __all__ = [
     "Heatmap",
     "LayerPicker",
     "LensExplorer",
+    "SteeringPanel",
     "SweepPanel",
     "compare_data",
     "heatmap_data",

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import ipywidgets as widgets
+
 from envoykit import plot
 from envoykit.analyses.compare import compare
 from envoykit.analyses.patching import Patch
@@ -46,6 +48,7 @@ from envoykit.explorer.compare_panel import (
 from envoykit.explorer.layout import ExplorerLayout
 from envoykit.explorer.outputs import ENGINE_ERRORS, ERROR, figure_output, message_html, text_output
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
+from envoykit.explorer.steering_panel import SteeringPanel
 from envoykit.explorer.views import LayerPicker
 from envoykit.model.families import sites_of
 from envoykit.results.attribution import AttributionResult
@@ -127,6 +130,7 @@ class LensExplorer(ExplorerLayout):
         self.run_button.on_click(lambda _: self.run())
         self.sweep_panel.button.on_click(lambda _: self.run_sweep())
 
+        self.steering_panel = None if readonly else self._add_steering_panel()
         self._on_compare()
         self._on_targets()
         if metric in self._metric_keys():
@@ -165,6 +169,16 @@ class LensExplorer(ExplorerLayout):
     def sweep_figure(self) -> Any:
         """The matplotlib figure of `sweep`, or None."""
         return self.sweep_panel.figure
+
+    def _add_steering_panel(self) -> SteeringPanel:
+        """The steering panel under the other views, steering this explorer's prompt for its
+        targets (its own prompt and target boxes hidden and linked to the explorer's)."""
+        panel = SteeringPanel(self.engine, prompt=self.prompt.value)
+        for mine, theirs in ((self.prompt, panel.prompt), (self.targets, panel.targets)):
+            widgets.link((mine, "value"), (theirs, "value"))
+            theirs.layout.display = "none"
+        self.children = (*self.children, panel)
+        return panel
 
     # -- actions ---------------------------------------------------------------------------
 

@@ -73,8 +73,9 @@ class Write:
 class Addition:
     """A vector added to the stream at ``cell`` (site "resid" or "resid_mid"; its position
     unused), at ``positions`` of the run's rows (None: every row), each row optionally
-    rescaled to its norm before the addition (``norm_match``). Steering (`envoykit.analyses.steering`)
-    is made of these; ``vector`` is ``[d_model]`` float32 with the scale applied.
+    rescaled to its norm before the addition (``norm_match``). Steering
+    (`envoykit.analyses.steering`) is made of these; ``vector`` is ``[d_model]`` float32 with
+    the scale applied.
 
     Written in float32 on the stream's device. For a pair family the stream is
     ``hidden + residual``: the sum, steered, goes into ``hidden`` and the residual becomes

@@ -161,7 +161,11 @@ class SteerSweepResult(Result):
         if s == 0 or n_layers == 0 or len(labels) != len(tokens):
             raise ValueError("SteerSweepResult needs scales, layers and one token per target")
         probs = frozen_array(
-            "SteerSweepResult", "target_probs", self.target_probs, np.float32, (s, n_layers, len(labels))
+            "SteerSweepResult",
+            "target_probs",
+            self.target_probs,
+            np.float32,
+            (s, n_layers, len(labels)),
         )
         if not np.all((probs >= -1e-5) & (probs <= 1 + 1e-5)):
             raise ValueError("SteerSweepResult: probabilities must lie in [0, 1]")

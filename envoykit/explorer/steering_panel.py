@@ -1,0 +1,194 @@
+"""`SteeringPanel`: build a direction from two prompt lists, steer a prompt with it, and see
+what changes.
+
+Generate builds the vector (`Engine.steering_vector`: the mean difference of the two lists'
+streams after the picked layer, at each prompt's last token; kept while the lists and the
+layer stay the same), then shows the prompt's plain and steered greedy continuations side by
+side, and under them the diff of the unsteered and the steered run (`ek.compare`, drawn by
+the compare heatmap): per layer and position the change of the first target's probability,
+or the JS divergence when no target is given. The panel runs on its own (``SteeringPanel(
+engine, prompt=...)``) or inside a `LensExplorer`, which links its prompt and targets to the
+panel's. Every text it shows passes through ``html.escape`` or a text node.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import Any
+
+import ipywidgets as widgets
+
+from envoykit.analyses.compare import Run, compare
+from envoykit.analyses.steering import Steer
+from envoykit.explorer.outputs import ENGINE_ERRORS, message_html
+from envoykit.explorer.payload import compare_data
+from envoykit.explorer.views import Heatmap
+from envoykit.results.compare import CompareResult
+from envoykit.results.steering import Generation, SteeringVector
+
+TITLE = "Steering"
+HINT = (
+    "one prompt per line in each list; Generate builds their mean difference after the "
+    "layer picked and adds it, times the strength, at every position of the prompt and of "
+    "each generated token"
+)
+
+
+def prompt_lines(text: str) -> list[str]:
+    """The prompts of a list box: its non-blank lines, as written."""
+    return [line for line in text.splitlines() if line.strip()]
+
+
+class SteeringPanel(widgets.VBox):
+    """Two prompt lists, a layer and a strength in; two continuations and a diff out.
+
+    ``vector`` is the last `SteeringVector` built, ``plain`` and ``steered`` the last two
+    `Generation`\\ s, ``comparison`` the `CompareResult` in the diff heatmap (None while the
+    panel shows a message instead).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        prompt: str = "",
+        positive: Sequence[str] = (),
+        negative: Sequence[str] = (),
+        layer: int | None = None,
+        scale: float = 1.0,
+        max_tokens: int = 16,
+        targets: Sequence[str] = (),
+    ) -> None:
+        self.engine = engine
+        n_layers = engine.info.n_layers
+        self.prompt = widgets.Textarea(
+            value=prompt, placeholder="prompt to steer", layout={"width": "100%", "height": "50px"}
+        )
+        self.targets = widgets.Text(
+            value=",".join(targets), description="targets", placeholder="' good, bad'"
+        )
+        self.positive = _list_box("positive prompts, one per line", positive)
+        self.negative = _list_box("negative prompts, one per line", negative)
+        self.layer = widgets.BoundedIntText(
+            value=max(1, n_layers // 3) if layer is None else layer,
+            min=0,
+            max=n_layers,
+            description="layer",
+            layout={"width": "160px"},
+        )
+        self.scale = widgets.FloatSlider(
+            value=scale, min=-8.0, max=8.0, step=0.25, description="strength", readout_format=".2f"
+        )
+        self.norm_match = widgets.Checkbox(value=False, description="keep norms", indent=False)
+        self.max_tokens = widgets.BoundedIntText(
+            value=max_tokens, min=1, max=256, description="tokens", layout={"width": "160px"}
+        )
+        self.button = widgets.Button(description="Generate", icon="play", button_style="primary")
+        self.header = widgets.HTML()
+        self.plain_view = widgets.HTML(layout={"width": "50%"})
+        self.steered_view = widgets.HTML(layout={"width": "50%"})
+        self.diff_header = widgets.HTML()
+        self.diff = Heatmap(metric="js")
+        self.diff.add_class("ek-steer-diff")
+        self.vector: SteeringVector | None = None
+        self.plain: Generation | None = None
+        self.steered: Generation | None = None
+        self.comparison: CompareResult | None = None
+        super().__init__(
+            [
+                self.header,
+                self.prompt,
+                widgets.HBox([self.positive, self.negative]),
+                widgets.HBox([self.layer, self.scale, self.norm_match]),
+                widgets.HBox([self.max_tokens, self.targets, self.button]),
+                widgets.HBox([self.plain_view, self.steered_view], layout={"width": "100%"}),
+                self.diff_header,
+                self.diff,
+            ]
+        )
+        self.add_class("ek-steering")
+        self.button.on_click(lambda _: self.generate())
+        self.say(HINT)
+
+    def generate(self) -> Generation | None:
+        """Build (or reuse) the vector, generate plain and steered, draw their diff; the
+        steered continuation, or None when the engine refused (the reason is shown)."""
+        self.button.disabled = True
+        try:
+            self.say("building the vector and generating…")
+            return self._generate()
+        except ENGINE_ERRORS as err:
+            self.say(str(err), error=True)
+            return None
+        finally:
+            self.button.disabled = False
+
+    def _generate(self) -> Generation:
+        engine, prompt = self.engine, self.prompt.value
+        vector = self._vector()
+        steer = Steer(
+            vector, vector.layer, scale=self.scale.value, norm_match=self.norm_match.value
+        )
+        tokens = self.max_tokens.value
+        plain = engine.generate(prompt, tokens)
+        steered = engine.generate(prompt, tokens, steer=steer)
+        targets = [t for t in self.targets.value.split(",") if t.strip()]
+        comparison = compare((engine, prompt), Run(engine, prompt, steer=steer), targets=targets)
+        self.plain, self.steered, self.comparison = plain, steered, comparison
+        self.plain_view.value = _continuation("plain", prompt, plain)
+        self.steered_view.value = _continuation(
+            f"steered: layer {vector.layer}, strength {steer.scale:+g}", prompt, steered
+        )
+        self.diff.data = compare_data(comparison, ("plain", "steered"))
+        self.diff.metric = comparison.target_labels[0] if comparison.target_labels else "js"
+        what = (
+            f"Δ p({comparison.target_labels[0]!r}), steered minus plain"
+            if comparison.target_labels
+            else "JS divergence of the plain and steered next-token distributions"
+        )
+        self.diff_header.value = f"<b>diff</b>{message_html(what + ', per layer and position')}"
+        self._head(
+            f"vector: {vector.label}, norm {vector.norm:.4g}; rows before layer "
+            f"{vector.layer} are unchanged by construction"
+        )
+        return steered
+
+    def _vector(self) -> SteeringVector:
+        """The vector of the lists and layer shown, built once for each."""
+        positive, negative = (prompt_lines(box.value) for box in (self.positive, self.negative))
+        vector = self.vector
+        wanted = (tuple(positive), tuple(negative), self.layer.value)
+        if vector is None or (vector.positive, vector.negative, vector.layer) != wanted:
+            vector = self.engine.steering_vector(
+                positive, negative, self.layer.value, progress=False
+            )
+            self.vector = vector
+        return vector
+
+    def say(self, text: str, *, error: bool = False) -> None:
+        """Show ``text`` in the header; an error also clears the results shown."""
+        if error:
+            self.plain = self.steered = self.comparison = None
+            self.plain_view.value = self.steered_view.value = ""
+            self.diff.data = {}
+            self.diff_header.value = ""
+        self._head(text, error=error)
+
+    def _head(self, text: str, *, error: bool = False) -> None:
+        self.header.value = f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error)}"
+
+
+def _list_box(placeholder: str, prompts: Sequence[str]) -> widgets.Textarea:
+    return widgets.Textarea(
+        value="\n".join(prompts), placeholder=placeholder, layout={"width": "50%", "height": "90px"}
+    )
+
+
+def _continuation(title: str, prompt: str, generation: Generation) -> str:
+    """A continuation under its title, after its prompt in a fainter colour; all escaped."""
+    return (
+        f'<div class="ek-continuation"><b>{html.escape(title)}</b><div>'
+        f'<span class="ek-continuation-prompt">{html.escape(prompt)}</span>'
+        f'<span class="ek-continuation-text">{html.escape(str(generation))}</span></div></div>'
+    )

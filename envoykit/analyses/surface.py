@@ -73,7 +73,7 @@ class EngineSurface:
         if not steers:
             output = self._greedy(prompt, max_tokens)
             return Generation(output.text, output.token_ids)
-        ((ids,), meta) = self._steered_ids(prompt, [steers], max_tokens)
+        (ids,), meta, _ = self._steered_ids(prompt, [steers], max_tokens)
         return Generation(self.tokenizer.decode(ids, skip_special_tokens=True), ids, meta)
 
     def generate_ids(
@@ -121,10 +121,11 @@ class EngineSurface:
         runs: Sequence[Sequence[Steer]],
         max_tokens: int,
         lens: tuple[Sequence[int], Sequence[int]] | None = None,
-    ) -> tuple[list[list[int]], dict[str, Any]]:
+    ) -> tuple[list[list[int]], dict[str, Any], list[dict[str, Any]] | None]:
         """Greedy ids of ``prompt`` under each run's steers (one trace), cut at the stop
-        token as plain generation is; with ``lens`` = (layers, target ids) also each run's
-        lens at the last prompt position (`steering.generated_ids`)."""
+        token as plain generation is, the meta of a result of the last run, and with
+        ``lens`` = (layers, target ids) each run's lens at the last prompt position
+        (`steering.generated_ids`; else None)."""
         from envoykit.analyses import steering
         from envoykit.analyses.request import one_prompt
 
@@ -149,7 +150,7 @@ class EngineSurface:
         meta = {**self._result_meta(), "steer": [s.describe() for s in runs[-1]]}
         meta.pop("vocab")
         result = [steering.until_stop(run, stops) for run in found]
-        return (result, meta) if lens is None else (result, meta, stats)
+        return result, meta, stats
 
     def trace(
         self, *prompts: Any, steer: Steer | Sequence[Steer] | None = None, **kwargs: Any
@@ -249,9 +250,10 @@ class EngineSurface:
             meta.update(lens="tuned", translator=key)
         if patches:
             meta["patches"] = [dataclasses.asdict(p) for p in patches]
-        additions = self._additions(steer, req)
+        steers = self._steers(steer)
+        additions = self._additions(steers, req)
         if additions:
-            meta["steer"] = [item.describe() for item in self._steers(steer)]
+            meta["steer"] = [item.describe() for item in steers]
         model, readout, guard = self.model, self.readout, self.exclusive
         writes = patching.source_writes(model, readout, plan, guard)
         results = lens.run(
@@ -270,11 +272,10 @@ class EngineSurface:
             self.tokenizer, patches, ids, self.info.n_layers, self._heads(patches)
         )
 
-    def _additions(self, steer: Any, req: Any) -> list:
-        """The checked additions of ``steer`` into the one prompt of ``req``."""
+    def _additions(self, steers: Sequence[Steer], req: Any) -> list:
+        """The checked additions of ``steers`` (`_steers`) into the one prompt of ``req``."""
         from envoykit.analyses.steering import plan_additions
 
-        steers = self._steers(steer)
         if not steers:
             return []
         if len(req.prompts) != 1:

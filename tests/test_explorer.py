@@ -564,12 +564,10 @@ def test_bad_input_shows_an_error_and_stays_usable(explorer):
     assert not explorer.run_button.disabled
 
     explorer.prompt.value = PROMPT
-    explorer.targets.value = " Paris,"
-    assert "tokenizes to nothing" in explorer.tokenization.value
-    assert explorer.run() is None
-    assert "tokenizes to nothing" in explorer.message.value
+    explorer.targets.value = " Paris, ,"  # blank pieces (a trailing comma) are no targets
+    assert "tokenizes to nothing" not in explorer.tokenization.value
+    assert explorer.run().target_labels == (" Paris",)
 
-    explorer.targets.value = " Paris"
     explorer.picker.set_state({"selected": []})
     assert explorer.run() is None
     assert "no layers picked" in explorer.message.value
@@ -577,6 +575,52 @@ def test_bad_input_shows_an_error_and_stays_usable(explorer):
     explorer.picker.set_state({"selected": [1, 2]})
     assert explorer.run() is not None
     assert explorer.message.value == ""
+
+
+@pytest.mark.engine
+def test_rows_set_from_code_outside_the_model_are_a_message(explorer, tiny2):
+    explorer.picker.rows = [(-1, "resid"), (2, "resid")]
+    assert explorer.run() is None
+    assert "[-1] are not rows of this model" in explorer.message.value
+    assert not explorer.run_button.disabled and "running" not in explorer.status.value
+    explorer.picker.rows = [(tiny2.info.n_layers + 1, "resid")]
+    assert explorer.run() is None and "are not rows" in explorer.message.value
+    explorer.picker.rows = [(2, "resid")]
+    assert explorer.run() is not None and explorer.message.value == ""
+
+
+@pytest.mark.engine
+def test_a_refused_run_marks_the_old_heatmap_and_a_new_run_clears_it(explorer):
+    good = explorer.run()
+    explorer.prompt.value = "   "
+    assert explorer.run() is None
+    assert "ek-stale" in explorer.heatmap._dom_classes
+    assert "still shows the previous run" in explorer.status.value
+    assert explorer.result is good
+    explorer.prompt.value = PROMPT
+    assert explorer.run() is not None
+    assert "ek-stale" not in explorer.heatmap._dom_classes and explorer.message.value == ""
+
+
+@pytest.mark.engine
+def test_a_new_prompt_follows_its_own_last_position(explorer):
+    explorer.run()
+    explorer.heatmap.selected = [0, 1]
+    explorer.run()  # the same prompt keeps the selection
+    assert explorer.heatmap.selected == [0, 1]
+    explorer.prompt.value = "The capital of Italy is in the south"
+    explorer.run()
+    assert explorer.heatmap.selected is None  # the trajectory follows the last position
+
+
+@pytest.mark.engine
+def test_a_target_of_several_tokens_is_a_warning_naming_what_is_measured(explorer, tiny2):
+    explorer.targets.value = " Paris"  # ' ', 'Paris' on tiny's tokenizer
+    tokens = describe_target(tiny2.tokenizer, " Paris")
+    assert len(tokens) > 1
+    shown = explorer.tokenization.value
+    assert "--jp-warn-color1" in shown and f"{len(tokens)} tokens" in shown
+    assert "measure only" in shown
 
 
 @pytest.mark.engine

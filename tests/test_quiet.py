@@ -90,6 +90,20 @@ def test_stored_notebook_outputs_hold_no_traceback_or_warning(notebook: Path):
     assert found == []
 
 
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.name)
+def test_stored_progress_bars_are_stored_finished(notebook: Path):
+    """A bar's plain-text form is what a reader without the widget state sees: never the bar
+    as first drawn, at 0%, beside the finished result (`notebooks/resave.py` stores each
+    bar's last state)."""
+    frozen = []
+    for number, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+        for output in cell.get("outputs", []):
+            text = "".join(output.get("data", {}).get("text/plain", ""))
+            if re.search(r"(?<!\d)0%\|", text):
+                frozen.append((number, text))
+    assert frozen == []
+
+
 SEGMENT_SCRIPT = """
 import multiprocessing, os
 from multiprocessing import shared_memory

@@ -161,8 +161,6 @@ class TestValidation:
             dataclasses.replace(res, top_probs=res.top_probs[:, :1])
         with pytest.raises(ValueError, match="entropy"):
             dataclasses.replace(res, entropy=np.zeros((2, 2)))
-        with pytest.raises(ValueError, match="distinct"):
-            dataclasses.replace(res, tokens=("a", "a"))
         with pytest.raises(ValueError, match="target_tokens has 2 entries"):
             dataclasses.replace(res, target_tokens=(" z", " y"))
 
@@ -414,3 +412,11 @@ class TestPlots:
         np.testing.assert_array_equal(prob_line.get_ydata(), res.target(" z").prob[:, -1])
         figure.savefig(tmp_path / "t.svg")
         assert (tmp_path / "t.svg").stat().st_size > 1000
+
+
+def test_tokens_are_the_tokens_and_labels_tell_repeats_apart():
+    res = dataclasses.replace(ek.LensResult.example(), tokens=(" a", " a"))
+    assert res.tokens == (" a", " a")
+    assert res.token_labels == (" a#0", " a#1")
+    assert ek.LensResult.from_json(res.to_json()).tokens == (" a", " a")
+    assert res.to_pandas()["input_token"].tolist()[:2] == [" a", " a"]

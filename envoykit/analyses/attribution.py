@@ -245,7 +245,6 @@ def _result(
     meta: dict[str, Any],
 ) -> AttributionResult:
     """The `AttributionResult` of what the ranks sent, with its components named."""
-    from envoykit.analyses.lens import distinct_labels
 
     target_ids = [t.token_id for t in request.targets]
     ids = list(request.prompt_ids)
@@ -259,7 +258,7 @@ def _result(
     return AttributionResult(
         prompt=request.prompt,
         token_ids=np.array([ids[p] for p in picked]),
-        tokens=distinct_labels([tokenizer.decode([ids[p]]) for p in picked], picked),
+        tokens=tuple(tokenizer.decode([ids[p]]) for p in picked),
         positions=np.array(picked),
         components=tuple(components),
         target_ids=np.array(target_ids),

@@ -266,7 +266,7 @@ def _assemble(
     return LensResult(
         prompt=request.prompts[index],
         token_ids=token_ids,
-        tokens=distinct_labels([tokenizer.decode([int(i)]) for i in token_ids], positions),
+        tokens=tuple(tokenizer.decode([int(i)]) for i in token_ids),
         positions=np.array(positions),
         layers=np.array([layer for layer, _ in request.rows]),
         sites=tuple(site for _, site in request.rows),
@@ -286,15 +286,4 @@ def _assemble(
             **{key: value for key, value in meta.items() if key != "vocab"},
             "returned_bytes": sum(t.numel() * t.element_size() for s in steps for t in s.values()),
         },
-    )
-
-
-def distinct_labels(tokens: list[str], positions: list[int]) -> tuple[str, ...]:
-    """Tokens as labels, a repeated one suffixed with its position (``"the#5"``)."""
-    counts: dict[str, int] = {}
-    for token in tokens:
-        counts[token] = counts.get(token, 0) + 1
-    return tuple(
-        token if counts[token] == 1 else f"{token}#{position}"
-        for token, position in zip(tokens, positions)
     )

@@ -43,7 +43,7 @@ class AttributionPanel(widgets.VBox):
 
     def busy(self, text: str) -> None:
         """Say what is being computed; the figure drawn so far stays until the new one lands."""
-        self._head(f"⏳ {text}…")
+        self._head(f"{text}…")
 
     def show(self, att: AttributionResult, target: int, *, layer: int, row: str) -> None:
         """Draw ``target`` at ``att``'s one position, with layer ``layer`` (heatmap row

@@ -45,8 +45,15 @@ from envoykit.explorer.compare_panel import (
     drop_patch,
     patched_cell,
 )
-from envoykit.explorer.layout import ExplorerLayout
-from envoykit.explorer.outputs import ENGINE_ERRORS, ERROR, figure_output, message_html, text_output
+from envoykit.explorer.layout import ExplorerLayout, typed_targets
+from envoykit.explorer.outputs import (
+    ENGINE_ERRORS,
+    ERROR,
+    WARNING,
+    figure_output,
+    message_html,
+    text_output,
+)
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
 from envoykit.explorer.steering_panel import SteeringPanel
 from envoykit.explorer.views import LayerPicker
@@ -194,14 +201,22 @@ class LensExplorer(ExplorerLayout):
         if not picked:
             self._say("no layers picked: pick at least one layer or sub-layer site", True)
             return None
-        text = self.targets.value
+        offered = {item["layer"] for item in self.picker.layers}
+        unknown = sorted({layer for layer, _ in picked} - offered)
+        if unknown:
+            self._say(
+                f"layer(s) {unknown} are not rows of this model: the picker offers layers "
+                f"{min(offered)} (the embedding) to {max(offered)}",
+                True,
+            )
+            return None
         layers, sites = rows.lens_arguments(picked)
         request = {
             "prompt": self.prompt.value,
             "layers": layers,
             "sites": sites,
             "top_k": self.top_k.value,
-            "targets": self._targets_with_pins(text.split(",") if text else []),
+            "targets": self._targets_with_pins(typed_targets(self.targets.value)),
         }
         if self.lens_kind.value == "tuned":
             request["translator"] = self.translator
@@ -272,13 +287,16 @@ class LensExplorer(ExplorerLayout):
         its request is unchanged) and draw the diff."""
         self.run_button.disabled = True
         self.run_button.description = "Running…"
-        self.status.value = f"<i>⏳ running the lens on {html.escape(self.engine.info.name)}…</i>"
+        self._say("")  # the last run's message is not about this one
+        self.status.value = f"<i>running the lens on {html.escape(self.engine.info.name)}…</i>"
         # The button comes back only once everything below is drawn: enabled means done.
         try:
             try:
                 result = rows.keep(self.engine.lens(**request), picked)
             except ENGINE_ERRORS as err:
                 return self._refused(str(err))
+            if result is None:
+                return self._refused("the lens holds none of the picked rows")
             other_request = _other_request(request, other)
             other_result = None
             if other_request is not None:
@@ -292,7 +310,7 @@ class LensExplorer(ExplorerLayout):
             self._request, self._rows, self._other = request, picked, other
             self._other_request = other_request
             self.result, self.other_result = result, other_result
-            self._say("")
+            self.heatmap.remove_class("ek-stale")
             self.status.value = (
                 f"{len(result.layers)} rows × {len(result.positions)} positions, "
                 f"top-{result.top_ids.shape[-1]}" + (", patched" if self.patch else "")
@@ -305,8 +323,14 @@ class LensExplorer(ExplorerLayout):
             self.run_button.description = "Run"
 
     def _refused(self, text: str) -> None:
+        """Say why the run was refused; what is still drawn is marked as the previous run."""
         self._say(text, True)
-        self.status.value = ""
+        if self.result is None:
+            self.status.value = ""
+            return
+        self.heatmap.add_class("ek-stale")
+        shown = html.escape(repr(self.result.prompt))
+        self.status.value = f"<i>the heatmap still shows the previous run, of {shown}</i>"
 
     def _second_prompt(self) -> str | None:
         return self.other_prompt.value if self.compare.value else None
@@ -364,8 +388,13 @@ class LensExplorer(ExplorerLayout):
         if shown is None:
             self._say("no layers picked: pick at least one layer to show", True)
             return
-        labels = self.heatmap.data.get("layer_labels", [])
-        self.heatmap.selected = _same_cell(self.heatmap.selected, labels, shown)
+        before = self.heatmap.data
+        labels = before.get("layer_labels", [])
+        # A cell of another prompt means nothing here: follow the new one's last position.
+        same_prompt = before.get("prompt") == shown.prompt
+        self.heatmap.selected = (
+            _same_cell(self.heatmap.selected, labels, shown) if same_prompt else None
+        )
         patch = self.patch
         cell = None if patch is None else patched_cell(shown, patch)
         self.heatmap.data = heatmap_data(shown, marks=[cell] if cell else [])
@@ -403,16 +432,19 @@ class LensExplorer(ExplorerLayout):
         if self.engine is None:
             self.tokenization.value = ""
             return
-        text = self.targets.value
         rows = []
-        for piece in text.split(",") if text else []:
+        for piece in typed_targets(self.targets.value):
             tokens = describe_target(self.engine.tokenizer, piece)
             if not tokens:
                 shown = f"<b style='color:{ERROR}'>tokenizes to nothing</b>"
             else:
                 shown = " ".join(f"<code>{html.escape(repr(t))}</code>" for t in tokens)
                 if len(tokens) > 1:
-                    shown += f" (the lens uses <code>{html.escape(repr(tokens[0]))}</code>)"
+                    first = html.escape(repr(tokens[0]))
+                    shown += (
+                        f" <b style='color:{WARNING}'>{len(tokens)} tokens: the lens, the "
+                        f"attribution and the sweep measure only <code>{first}</code></b>"
+                    )
             rows.append(f"<code>{html.escape(repr(piece))}</code> → {shown}")
         self.tokenization.value = "<br>".join(rows)
 

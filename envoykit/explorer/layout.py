@@ -140,3 +140,9 @@ class ExplorerLayout(widgets.VBox):
             self.attribution_panel,
             self.attention_panel,
         ]
+
+
+def typed_targets(text: str) -> list[str]:
+    """The targets typed in the box: its comma-separated pieces, spaces kept (' Paris' is
+    not 'Paris'), blank pieces left out (a trailing comma is not a target)."""
+    return [piece for piece in text.split(",") if piece.strip()]

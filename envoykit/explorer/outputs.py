@@ -40,6 +40,7 @@ def text_output(text: str) -> dict[str, Any]:
 
 # Colours of messages: the theme's, with the light theme's as fallback.
 ERROR = "var(--jp-error-color1, #c92a2a)"
+WARNING = "var(--jp-warn-color1, #e67700)"
 TEXT = "var(--jp-ui-font-color1, #333)"
 
 

@@ -50,7 +50,7 @@ def heatmap_data(res: LensResult, marks: Sequence[Sequence[int]] = ()) -> dict[s
     return {
         "prompt": res.prompt,
         "layer_labels": res.layer_labels,
-        "tokens": list(res.tokens),
+        "tokens": list(res.token_labels),  # a repeated token's columns told apart
         "top_ids": res.top_ids.tolist(),
         # Each distinct token once (by id), not once per cell: a tenth of the bytes at k=10.
         "vocab": {str(int(i)): str(t) for i, t in zip(res.top_ids.flat, res.top_tokens.flat)},

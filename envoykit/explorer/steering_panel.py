@@ -21,6 +21,7 @@ import ipywidgets as widgets
 
 from envoykit.analyses.compare import Run, compare
 from envoykit.analyses.steering import Steer
+from envoykit.explorer.layout import typed_targets
 from envoykit.explorer.outputs import ENGINE_ERRORS, message_html
 from envoykit.explorer.payload import compare_data
 from envoykit.explorer.views import Heatmap
@@ -133,7 +134,7 @@ class SteeringPanel(widgets.VBox):
         tokens = self.max_tokens.value
         plain = engine.generate(prompt, tokens)
         steered = engine.generate(prompt, tokens, steer=steer)
-        targets = [t for t in self.targets.value.split(",") if t.strip()]
+        targets = typed_targets(self.targets.value)
         comparison = compare((engine, prompt), Run(engine, prompt, steer=steer), targets=targets)
         self.plain, self.steered, self.comparison = plain, steered, comparison
         self.plain_view.value = _continuation("plain", prompt, plain)

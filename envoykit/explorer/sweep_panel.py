@@ -70,7 +70,7 @@ class SweepPanel(widgets.VBox):
         parts: list[SweepResult] = []
         try:
             for layer in layers:
-                self._head(f"⏳ layer {layer}: row {len(parts) + 1} of {len(layers)}…")
+                self._head(f"layer {layer}: row {len(parts) + 1} of {len(layers)}…")
                 try:
                     part = engine.patch_sweep(
                         source, target, layers=[layer], target_token=target_token, progress=False

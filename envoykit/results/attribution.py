@@ -28,7 +28,7 @@ class AttributionResult(Result):
 
     Attributes:
         prompt: the prompt text.
-        token_ids, tokens, positions: ``[P]`` input tokens (labels made distinct) and their
+        token_ids, tokens, positions: ``[P]`` input tokens (as they are) and their
             places in the sequence.
         components: ``[C]`` ``"embed"``, ``"attn 1"``, ``"mlp 1"``, …, ``"mlp n"``, and
             ``"bias"`` where the final norm (a LayerNorm) or the LM head adds a constant.

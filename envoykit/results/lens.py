@@ -66,7 +66,8 @@ class LensResult(Result):
     Attributes:
         prompt: the prompt text.
         token_ids: ``[P]`` the input token at each position.
-        tokens: ``[P]`` decoded tokens, made distinct (``"the#5"``) where one repeats.
+        tokens: ``[P]`` the decoded input tokens, as they are (a token may repeat);
+            `token_labels` makes them distinct for display (``"the#5"``).
         positions: ``[P]`` sequence position of each column, strictly increasing.
         layers: ``[L]`` layer number of each row (0 = embedding).
         sites: ``[L]`` where in its layer each row reads the model: ``"resid"`` (after the
@@ -189,8 +190,6 @@ class LensResult(Result):
             raise ValueError("LensResult rows must be distinct (layer, site) pairs")
         if any(layer == 0 and site != "resid" for layer, site in rows):
             raise ValueError("LensResult: layer 0 (the embedding) has only the 'resid' site")
-        if len(set(self.tokens)) != len(self.tokens):
-            raise ValueError("LensResult.tokens must be distinct labels")
         if not 0 <= self.n_generated <= n_pos:
             raise ValueError(f"LensResult.n_generated={self.n_generated} outside 0..{n_pos}")
         if n_layers == 0 or n_pos == 0:
@@ -225,6 +224,12 @@ class LensResult(Result):
             "embed" if layer == 0 else f"{int(layer)}{SITE_SUFFIXES[site]}"
             for layer, site in zip(self.layers, self.sites)
         ]
+
+    @property
+    def token_labels(self) -> tuple[str, ...]:
+        """The input tokens as display labels: a token that repeats suffixed with its
+        position (``"the#5"``), so every column has a name of its own."""
+        return distinct_labels(self.tokens, self.positions.tolist())
 
     def target(self, which: str | int) -> TargetTrace:
         """The trace of one target, by the label it was asked with, its token text or its id."""
@@ -532,3 +537,14 @@ def _indices(name: str, index: Any, size: int) -> list[int]:
 
 def _pick(value: np.ndarray | tuple, index: list[int]) -> np.ndarray | tuple:
     return value[index] if isinstance(value, np.ndarray) else tuple(value[i] for i in index)
+
+
+def distinct_labels(tokens: Sequence[str], positions: Sequence[int]) -> tuple[str, ...]:
+    """Tokens as labels, a repeated one suffixed with its position (``"the#5"``)."""
+    counts: dict[str, int] = {}
+    for token in tokens:
+        counts[token] = counts.get(token, 0) + 1
+    return tuple(
+        token if counts[token] == 1 else f"{token}#{position}"
+        for token, position in zip(tokens, positions)
+    )

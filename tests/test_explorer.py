@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
@@ -624,6 +625,22 @@ def test_a_target_of_several_tokens_is_a_warning_naming_what_is_measured(explore
 
 
 @pytest.mark.engine
+def test_pins_are_chips_that_unpin_and_say_what_is_measured(explorer, tiny2):
+    res = explorer.run()
+    token = int(res.top_ids[-1, -1, 1])
+    explorer.heatmap.pinned = [token]
+    assert token in explorer.result.target_ids.tolist()
+    chips = [w for w in explorer.pins.children if isinstance(w, widgets.Button)]
+    text = tiny2.tokenizer.decode([token])
+    assert [c.description for c in chips] == [f"{text!r} ×"]
+    assert f"measure {text!r} (pinned last)" in html.unescape(explorer.pins.children[-1].value)
+    chips[0].click()
+    assert explorer.heatmap.pinned == []
+    assert token not in explorer.result.target_ids.tolist()  # the lens ran without it
+    assert "(the first target)" in html.unescape(explorer.pins.children[-1].value)
+
+
+@pytest.mark.engine
 def test_an_error_from_the_ranks_is_a_message_not_a_traceback(explorer, tiny2, monkeypatch):
     """nnsight raises a rank's failure as a RuntimeError; the explorer shows it and stays
     usable."""
@@ -842,3 +859,34 @@ def test_lens_selector_applies_the_tuned_lens(tiny2):
     assert res.meta["lens"] == "tuned"
     expected = tiny2.lens("The capital of France is", layers=res.layers.tolist(), translator=tuned)
     np.testing.assert_array_equal(res.top_ids, expected.top_ids)
+
+
+def test_panel_figures_read_on_either_theme():
+    """A panel's figure has no background and its default-coloured text in a grey that
+    reads on the light and the dark theme; a colour set on purpose stays."""
+    import base64
+    import io
+
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    from envoykit.explorer.outputs import NEUTRAL, figure_output
+
+    ax = Figure(figsize=(3, 2)).subplots()
+    ax.plot([0, 1], [0, 1], label="a line")
+    ax.set_title("title")
+    ax.legend()
+    kept = ax.text(0.5, 0.5, "white on purpose", color="white")
+    png = figure_output(ax.figure, "figure")["data"]["image/png"]
+    image = Image.open(io.BytesIO(base64.b64decode(png))).convert("RGBA")
+    assert image.getpixel((0, 0))[3] == 0  # the corner shows the page through
+    assert ax.title.get_color() == NEUTRAL and kept.get_color() == "white"
+    assert ax.get_legend().get_texts()[0].get_color() == NEUTRAL
+
+
+def test_diff_cells_are_as_wide_as_their_text():
+    from envoykit.explorer.payload import cell_width
+
+    assert cell_width([["a", "b"]]) == 52  # a lens's width at least
+    assert cell_width([[" Paris→ London"]]) == round(len(" Paris→ London") * 6.2 + 8)
+    assert cell_width([["x" * 200]]) == 160  # cut there, whole in the tooltip

@@ -420,3 +420,32 @@ def test_tokens_are_the_tokens_and_labels_tell_repeats_apart():
     assert res.token_labels == (" a#0", " a#1")
     assert ek.LensResult.from_json(res.to_json()).tokens == (" a", " a")
     assert res.to_pandas()["input_token"].tolist()[:2] == [" a", " a"]
+
+
+def test_run_label_says_what_was_run():
+    res = ek.LensResult.example()
+    assert res.run_label == "logit lens"
+    edited = dataclasses.replace(
+        res,
+        meta={
+            "lens": "tuned",
+            "patches": [{"layer": 12, "site": "resid", "head": None}, {"layer": 3, "head": 2}],
+            "steer": [{"layer": 10, "scale": -1.0}],
+        },
+    )
+    assert edited.run_label == (
+        "tuned lens, patched (layer 12 resid, head 2 of layer 3), steered (layer 10 x-1)"
+    )
+    assert "Tuned lens, patched" in edited._repr_html_()
+    assert edited.run_label in ek.plot.heatmap(edited).axes[0].get_title()
+
+
+def test_unbounded_metrics_take_robust_colour_limits():
+    from envoykit.results.metrics import METRICS
+
+    kl = np.concatenate([np.linspace(0.0, 5.0, 99), [157.0]])  # one embedding-like outlier
+    low, high = METRICS["kl"].range(kl)
+    assert low == pytest.approx(np.percentile(kl, 1)) and high < 10
+    assert METRICS["kl"].scale(kl)["robust"] is True
+    assert METRICS["kl"].range(np.array([0.0, 157.0])) == (0.0, 157.0)  # too few to trim
+    assert METRICS["prob"].range(kl) == (0.0, 1.0) and not METRICS["prob"].scale(kl)["robust"]

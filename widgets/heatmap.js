@@ -66,7 +66,7 @@
  * @typedef {{bg: string, fg: string, nan: string, select: string, accent: string}} Theme
  */
 
-const CELL_W = 52;
+const CELL_W = 52; // a cell's width unless its payload names one (cell_width)
 const CELL_H = 20;
 const LEFT = 52; // room for the layer labels
 const BOTTOM = 56; // room for the token labels
@@ -129,15 +129,25 @@ function title(g) {
   return g.units ? `${g.label} (${g.units})` : g.label;
 }
 
+/**
+ * A legend number for people: 0 for what is zero at the scale's resolution (an entropy's
+ * 4.8e-22 on a scale of 5 nats), else three significant digits without trailing zeros.
+ */
+function human(value, span) {
+  const v = Number(value);
+  if (Math.abs(v) < 1e-3 * Math.abs(span || 1)) return "0";
+  return String(Number(v.toPrecision(3)));
+}
+
 /** The legend of a grid: its title, the low value, a colour bar of its stops, the high value. */
 function legendNodes(g) {
   const bar = element("span", "ek-bar");
   bar.style.background = `linear-gradient(90deg, ${g.stops.join(", ")})`;
   return [
-    element("span", "ek-legend-label", title(g)),
-    element("span", "", Number(g.vmin).toPrecision(3)),
+    element("span", "ek-legend-label", title(g) + (g.robust ? " · 1st–99th percentile" : "")),
+    element("span", "", human(g.vmin, g.vmax - g.vmin)),
     bar,
-    element("span", "", Number(g.vmax).toPrecision(3)),
+    element("span", "", human(g.vmax, g.vmax - g.vmin)),
   ];
 }
 
@@ -228,13 +238,15 @@ function grid(view) {
 }
 
 // Cell (layer index, position index) -> its top-left corner in spacer coordinates.
-const cellX = (p) => LEFT + p * CELL_W;
+// A diff's cells are as wide as their longest text (`cell_width`), a lens's CELL_W.
+const cellW = (view) => data(view).cell_width || CELL_W;
+const cellX = (view, p) => LEFT + p * cellW(view);
 const cellY = (view, l) => (dims(view)[0] - 1 - l) * CELL_H;
 
 /** The cell [layer, position] at spacer point (x, y), or null. */
 function cellAt(view, x, y) {
   const [nL, nP] = dims(view);
-  const p = Math.floor((x - LEFT) / CELL_W);
+  const p = Math.floor((x - LEFT) / cellW(view));
   const l = nL - 1 - Math.floor(y / CELL_H);
   if (x < LEFT || p < 0 || p >= nP || l < 0 || l >= nL || y >= nL * CELL_H) return null;
   return [l, p];
@@ -253,7 +265,7 @@ function spacerPoint(view, event) {
 function layout(view) {
   const [nL, nP] = dims(view);
   const height = nL * CELL_H + BOTTOM;
-  view.spacer.style.width = `${LEFT + nP * CELL_W}px`;
+  view.spacer.style.width = `${LEFT + nP * cellW(view)}px`;
   view.spacer.style.height = `${height}px`;
   view.scroller.style.height = `${Math.min(height, MAX_HEIGHT) + 16}px`;
   redraw(view);
@@ -273,7 +285,7 @@ function draw(view) {
   const [nL, nP] = dims(view);
   const g = grid(view);
   const colours = theme(view.root);
-  const viewW = Math.max(1, Math.min(scroller.clientWidth || 600, LEFT + nP * CELL_W));
+  const viewW = Math.max(1, Math.min(scroller.clientWidth || 600, LEFT + nP * cellW(view)));
   const viewH = Math.max(1, Math.min(scroller.clientHeight || 300, nL * CELL_H + BOTTOM));
   const ratio = window.devicePixelRatio || 1;
   const sx = scroller.scrollLeft;
@@ -290,8 +302,8 @@ function draw(view) {
   ctx.fillRect(0, 0, viewW, viewH);
   if (!g || !nL || !nP) return;
   const range = {
-    p0: Math.max(0, Math.floor((sx - LEFT) / CELL_W)),
-    p1: Math.min(nP - 1, Math.floor((sx + viewW) / CELL_W)),
+    p0: Math.max(0, Math.floor((sx - LEFT) / cellW(view))),
+    p1: Math.min(nP - 1, Math.floor((sx + viewW) / cellW(view))),
     r0: Math.max(0, Math.floor(sy / CELL_H)),
     r1: Math.min(nL - 1, Math.floor((sy + viewH) / CELL_H)),
   };
@@ -316,13 +328,13 @@ function drawCells(view, ctx, g, colours, { p0, p1, r0, r1 }) {
     for (let p = p0; p <= p1; p++) {
       const v = g.values[l][p];
       const rgb = v === null ? null : colourAt(stops, (v - g.vmin) / span);
-      const x = cellX(p) - sx;
+      const x = cellX(view, p) - sx;
       const y = cellY(view, l) - sy;
       ctx.fillStyle = rgb ? `rgb(${rgb.join(",")})` : colours.nan;
-      ctx.fillRect(x, y, CELL_W - 1, CELL_H - 1);
+      ctx.fillRect(x, y, cellW(view) - 1, CELL_H - 1);
       ctx.fillStyle = rgb ? textColour(rgb) : colours.fg;
       const text = d.cell_text ? d.cell_text[l][p] : d.vocab[d.top_ids[l][p][0]];
-      ctx.fillText(fit(ctx, text, CELL_W - 4), x + CELL_W / 2, y + CELL_H / 2);
+      ctx.fillText(fit(ctx, text, cellW(view) - 4), x + cellW(view) / 2, y + CELL_H / 2);
       drawn++;
     }
   }
@@ -336,7 +348,7 @@ function drawOutlines(view, ctx, colours) {
     ctx.strokeStyle = colour;
     ctx.lineWidth = 2;
     ctx.setLineDash(dash);
-    ctx.strokeRect(cellX(p) - sx + 1, cellY(view, l) - sy + 1, CELL_W - 3, CELL_H - 3);
+    ctx.strokeRect(cellX(view, p) - sx + 1, cellY(view, l) - sy + 1, cellW(view) - 3, CELL_H - 3);
     ctx.setLineDash([]);
   };
   for (const [l, p] of data(view).marks || []) outline(l, p, colours.accent, [4, 2]);
@@ -349,7 +361,7 @@ function drawOutlines(view, ctx, colours) {
     ctx.lineWidth = 1;
     ctx.setLineDash([2, 2]);
     const height = dims(view)[0] * CELL_H - 2;
-    ctx.strokeRect(cellX(landing.p) - sx + 0.5, -sy + 0.5, CELL_W - 2, height);
+    ctx.strokeRect(cellX(view, landing.p) - sx + 0.5, -sy + 0.5, cellW(view) - 2, height);
     ctx.setLineDash([]);
     if (landing.l >= 0) outline(landing.l, landing.p, colours.select, [5, 3]);
   }
@@ -375,7 +387,7 @@ function drawAxes(view, ctx, colours, { p0, p1, r0, r1 }, viewW, viewH) {
   ctx.fillStyle = colours.fg;
   for (let p = p0; p <= p1; p++) {
     ctx.save();
-    ctx.translate(cellX(p) - sx + CELL_W / 2, axisY + 6);
+    ctx.translate(cellX(view, p) - sx + cellW(view) / 2, axisY + 6);
     ctx.rotate(-Math.PI / 4);
     ctx.fillText(fit(ctx, show(d.tokens[p]), BOTTOM + 20), 0, 0);
     ctx.restore();
@@ -595,12 +607,12 @@ function listenPage(view) {
 /** A hook for tests and scripts: where on screen cell (l, p) is, scrolled into view. */
 function cellCenter(view, l, p) {
   const { scroller, canvas } = view;
-  scroller.scrollLeft = Math.max(0, cellX(p) - scroller.clientWidth / 2);
+  scroller.scrollLeft = Math.max(0, cellX(view, p) - scroller.clientWidth / 2);
   scroller.scrollTop = Math.max(0, cellY(view, l) - scroller.clientHeight / 2);
   draw(view);
   const rect = canvas.getBoundingClientRect();
   return {
-    x: rect.left + cellX(p) - scroller.scrollLeft + CELL_W / 2,
+    x: rect.left + cellX(view, p) - scroller.scrollLeft + cellW(view) / 2,
     y: rect.top + cellY(view, l) - scroller.scrollTop + CELL_H / 2,
   };
 }

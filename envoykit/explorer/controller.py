@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
+import numpy as np
 
 from envoykit import plot
 from envoykit.analyses.compare import compare
@@ -311,9 +312,9 @@ class LensExplorer(ExplorerLayout):
             self._other_request = other_request
             self.result, self.other_result = result, other_result
             self.heatmap.remove_class("ek-stale")
-            self.status.value = (
-                f"{len(result.layers)} rows × {len(result.positions)} positions, "
-                f"top-{result.top_ids.shape[-1]}" + (", patched" if self.patch else "")
+            self.status.value = html.escape(
+                f"{result.run_label}: {len(result.layers)} rows × {len(result.positions)} "
+                f"positions, top-{result.top_ids.shape[-1]}"
             )
             self._show()
             self._show_comparison()
@@ -404,6 +405,7 @@ class LensExplorer(ExplorerLayout):
         value = self.metric.value
         self.metric.options = self._metric_options()
         self.metric.value = value if value in self._metric_keys() else "prob"
+        self._show_pins()
         self._draw_trajectory()
         self._draw_attribution()
 
@@ -490,13 +492,53 @@ class LensExplorer(ExplorerLayout):
             return
         known = set(self.result.target_ids.tolist())
         new = [i for i in change["new"] if i not in known]
-        if new and self.engine is not None and self._request is not None:
+        # A pin that was added to the lens's targets (an id, not a typed target) goes with it.
+        unpinned = set(change["old"]) - set(change["new"])
+        dropped = self._request is not None and unpinned & set(self._request["targets"])
+        if (new or dropped) and self.engine is not None and self._request is not None:
             typed = [t for t in self._request["targets"] if isinstance(t, str)]
             request = {**self._request, "targets": self._targets_with_pins(typed)}
-            self._lens(request, self._rows, self._other)  # what is shown, with the pin
+            self._lens(request, self._rows, self._other)  # what is shown, with the pins
         else:
+            self._show_pins()
             self._draw_trajectory()
             self._draw_attribution()
+
+    def _show_pins(self) -> None:
+        """A chip per pinned token (a click unpins it), then what attribution and the sweep
+        measure: the token pinned last, else the first target."""
+        shown = self._shown()
+        chips: list[widgets.Widget] = []
+        for token_id in self.heatmap.pinned:
+            chip = widgets.Button(
+                description=f"{self._token_text(token_id)!r} ×",
+                tooltip="unpin this token",
+                layout={"width": "auto"},
+            )
+            chip.add_class("ek-pin")
+            chip.on_click(lambda _, token_id=token_id: self._unpin(token_id))
+            chips.append(chip)
+        focus = None if shown is None else self._focus_target(shown)
+        if focus is not None:
+            why = "pinned last" if self.heatmap.pinned else "the first target"
+            text = f"attribution and the sweep measure {self._token_text(focus)!r} ({why})"
+            chips.append(widgets.HTML(message_html(text)))
+        self.pins.children = tuple(chips)
+
+    def _unpin(self, token_id: int) -> None:
+        self.heatmap.pinned = [i for i in self.heatmap.pinned if i != token_id]
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text: decoded by the engine's tokenizer, or (read-only) found in the
+        result."""
+        if self.engine is not None:
+            return self.engine.tokenizer.decode([int(token_id)])
+        res = self.result
+        for ids, tokens in ((res.target_ids, res.target_tokens), (res.top_ids, res.top_tokens)):
+            found = np.flatnonzero(np.asarray(ids).ravel() == token_id)
+            if len(found):
+                return str(np.asarray(tokens, dtype=object).ravel()[found[0]])
+        return str(token_id)
 
     def _draw_trajectory(self) -> None:
         """Every target, and (read-only) every pinned top-k token, at the selected position."""

@@ -56,10 +56,11 @@ def standalone_html(res: LensResult, metric: str = "prob") -> str:
     state = {"data": heatmap_data(res), "metric": metric, "selected": None, "pinned": []}
     model = str(res.meta.get("model", "stored result"))
     script = base64.b64encode(asset("standalone.js").encode()).decode()
+    what, prompt = html.escape(res.run_label), html.escape(repr(res.prompt))
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>logit lens: {html.escape(res.prompt[:60])}</title>
+<html><head><meta charset="utf-8"><title>{what}: {html.escape(res.prompt[:60])}</title>
 <style>{asset("explorer.css")}</style></head>
-<body class="ek-page"><h3>Logit lens of <code>{html.escape(repr(res.prompt))}</code></h3>
+<body class="ek-page"><h3>{what.capitalize()} of <code>{prompt}</code></h3>
 <p>{html.escape(model)} · metric <select id="ek-metric"></select> ·
 hover a cell for its top-{res.top_ids.shape[-1]}, click it to keep the tooltip open
 (Esc closes it)</p>

@@ -100,6 +100,9 @@ class ExplorerLayout(widgets.VBox):
     def _build_views(self, picker: LayerPicker) -> None:
         self.picker = picker
         self.patch_note = widgets.HTML()
+        # The pinned tokens as chips to unpin, and what attribution and the sweep measure.
+        self.pins = widgets.HBox(layout={"flex_flow": "row wrap", "align_items": "center"})
+        self.pins.add_class("ek-pins")
         group = uuid.uuid4().hex  # drops from this explorer's second heatmap only
         self.heatmap = Heatmap(drag_role="target", drag_group=group)
         self.heatmap.add_class("ek-main-heatmap")
@@ -134,6 +137,7 @@ class ExplorerLayout(widgets.VBox):
             self.message,
             self.picker,
             self.patch_note,
+            self.pins,
             self.heatmap,
             self.compare_box,
             self.trajectory,

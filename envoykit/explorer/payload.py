@@ -78,6 +78,10 @@ def compare_data(res: CompareResult, names: Sequence[str] = ("a", "b")) -> dict[
     shape = res.js.shape
     top_a = np.array(res.top_tokens_a, dtype=object).reshape(shape)
     top_b = np.array(res.top_tokens_b, dtype=object).reshape(shape)
+    cell_text = [
+        [a if a == b else f"{a}→{b}" for a, b in zip(row_a, row_b)]
+        for row_a, row_b in zip(top_a.tolist(), top_b.tolist())
+    ]
     vocab = {
         str(int(i)): str(t)
         for ids, tokens in ((res.top_ids_a, top_a), (res.top_ids_b, top_b))
@@ -91,13 +95,24 @@ def compare_data(res: CompareResult, names: Sequence[str] = ("a", "b")) -> dict[
         "top_labels": [str(name) for name in names],
         "vocab": vocab,
         "top_probs": json_grid(np.stack([res.top_probs_a, res.top_probs_b], axis=-1)),
-        "cell_text": [
-            [a if a == b else f"{a}→{b}" for a, b in zip(row_a, row_b)]
-            for row_a, row_b in zip(top_a.tolist(), top_b.tolist())
-        ],
+        "cell_text": cell_text,
+        "cell_width": cell_width(cell_text),
         "grids": grids,
         "marks": [],
     }
+
+
+# Cell widths (px) a diff heatmap may take, and what a character of its 10 px font needs.
+_CELL_WIDTHS = (52, 160)
+_PX_PER_CHAR = 6.2
+
+
+def cell_width(cell_text: list[list[str]]) -> int:
+    """The cell width that shows the longest ``a→b`` of a diff whole (within `_CELL_WIDTHS`:
+    longer text is cut in the cell and whole in its tooltip)."""
+    longest = max((len(text) for row in cell_text for text in row), default=0)
+    low, high = _CELL_WIDTHS
+    return int(min(high, max(low, round(longest * _PX_PER_CHAR + 8))))
 
 
 def picker_layers(

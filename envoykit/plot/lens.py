@@ -48,10 +48,12 @@ def heatmap(
     ax.set_yticks(range(n_layers), res.layer_labels, fontsize=8)
     ax.set_xlabel("input token")
     ax.set_ylabel("layer")
-    ax.set_title(
-        title or f"{res.meta.get('lens', 'logit')} lens: {label}, top-1 token per cell", fontsize=10
+    ax.set_title(title or f"{res.run_label}: {label}, top-1 token per cell", fontsize=10)
+    # Robust limits (percentiles, `Metric.range`): the bar's ends say cells lie beyond them.
+    robust = definition.scale(grid)["robust"]
+    ax.figure.colorbar(
+        image, ax=ax, label=label, fraction=0.04, extend="both" if robust else "neither"
     )
-    ax.figure.colorbar(image, ax=ax, label=label, fraction=0.04)
     ax.figure.tight_layout()
     return ax.figure
 

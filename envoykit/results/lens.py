@@ -226,6 +226,27 @@ class LensResult(Result):
         ]
 
     @property
+    def run_label(self) -> str:
+        """What was run, in words, from ``meta``: "logit lens" or "tuned lens", then
+        "patched (…)" and "steered (…)" where the run was, so no title, status line or
+        export passes an edited run off as a plain one."""
+        parts = ["tuned lens" if self.meta.get("lens") == "tuned" else "logit lens"]
+        patches = self.meta.get("patches") or ()
+        if patches:
+            cells = ", ".join(
+                f"head {p['head']} of layer {p['layer']}"
+                if p.get("head") is not None
+                else f"layer {p['layer']} {p.get('site', 'resid')}"
+                for p in patches
+            )
+            parts.append(f"patched ({cells})")
+        steers = self.meta.get("steer") or ()
+        if steers:
+            where = ", ".join(f"layer {s['layer']} x{s['scale']:g}" for s in steers)
+            parts.append(f"steered ({where})")
+        return ", ".join(parts)
+
+    @property
     def token_labels(self) -> tuple[str, ...]:
         """The input tokens as display labels: a token that repeats suffixed with its
         position (``"the#5"``), so every column has a name of its own."""
@@ -396,7 +417,8 @@ class LensResult(Result):
         )
         where = html.escape(repr(self.tokens[-1]))
         return (
-            f"<div><b>Logit lens</b> of {html.escape(repr(self.prompt))} — top-1 per layer at "
+            f"<div><b>{html.escape(self.run_label.capitalize())}</b> of "
+            f"{html.escape(repr(self.prompt))} — top-1 per layer at "
             f"the last position ({where})<table><tr><th>layer</th><th>top-1</th><th>p</th></tr>"
             f"{rows}</table></div>"
         )

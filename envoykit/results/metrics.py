@@ -30,6 +30,10 @@ if TYPE_CHECKING:  # types only: results draw through this module, so it must no
 # the largest difference from matplotlib's own 256-entry maps is a few levels out of 255.
 STOPS = 16
 
+# Robust colour limits (`Metric.range`) from this many values up: below it, percentiles
+# would only drop real cells.
+_ROBUST_FROM = 20
+
 # WCAG relative luminance at which black and white text contrast equally with the cell.
 _EVEN_CONTRAST = 0.179
 
@@ -54,9 +58,13 @@ class Metric:
         return f"{self.label} ({self.units})" if self.units else self.label
 
     def range(self, values: np.ndarray) -> tuple[float, float]:
-        """Colour limits for ``values``: the fixed ones, else the finite values' range.
+        """Colour limits for ``values``: the fixed ones, else robust ones.
 
-        A range never collapses to a point (all-equal values would have no colour scale).
+        Robust limits are the finite values' 1st and 99th percentiles, so that a few cells
+        far from the rest (the embedding's KL to the final layer, 0-157 nats while every
+        other layer is under 10) do not squeeze every other cell into one colour; cells
+        beyond them take the end colours. Fewer than `_ROBUST_FROM` values, or percentiles
+        that meet, fall back to the whole range. A range never collapses to a point.
         """
         if self.limits is not None:
             return self.limits
@@ -65,11 +73,21 @@ class Metric:
         if not finite.size:
             return (0.0, 1.0)
         low, high = float(finite.min()), float(finite.max())
+        if finite.size >= _ROBUST_FROM:
+            robust_low, robust_high = (float(v) for v in np.percentile(finite, [1, 99]))
+            if robust_high > robust_low:
+                low, high = robust_low, robust_high
         return (low, high if high > low else low + 1.0)
 
     def scale(self, values: np.ndarray) -> dict[str, Any]:
-        """The definition as the browser needs it to colour ``values`` (JSON-ready)."""
+        """The definition as the browser needs it to colour ``values`` (JSON-ready);
+        ``robust`` says the limits are percentiles of the values, not their ends."""
         vmin, vmax = self.range(values)
+        finite = np.asarray(values, dtype=np.float64)
+        finite = finite[np.isfinite(finite)]
+        robust = (
+            self.limits is None and finite.size > 0 and (vmin > finite.min() or vmax < finite.max())
+        )
         return {
             "key": self.key,
             "label": self.label,
@@ -78,6 +96,7 @@ class Metric:
             "stops": list(colour_stops(self.cmap)),
             "vmin": vmin,
             "vmax": vmax,
+            "robust": bool(robust),
         }
 
 

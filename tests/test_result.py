@@ -449,3 +449,33 @@ def test_unbounded_metrics_take_robust_colour_limits():
     assert METRICS["kl"].scale(kl)["robust"] is True
     assert METRICS["kl"].range(np.array([0.0, 157.0])) == (0.0, 157.0)  # too few to trim
     assert METRICS["prob"].range(kl) == (0.0, 1.0) and not METRICS["prob"].scale(kl)["robust"]
+
+
+def test_trajectory_with_sites_draws_the_stream_as_its_line():
+    """Sub-layer rows are markers between layers, the stream is the line, rank lines are in
+    the legend, and the layer ticks are thinned to numbers that do not run together."""
+    res = ek.LensResult.example()
+    rows = [(0, "resid"), (1, "attn"), (1, "mlp"), (1, "resid")]
+    n_pos = len(res.positions)
+    k = res.top_ids.shape[-1]
+    sited = ek.LensResult(
+        **{
+            **res.to_dict(),
+            "layers": [layer for layer, _ in rows],
+            "sites": [site for _, site in rows],
+            "top_ids": np.zeros((4, n_pos, k), dtype=np.int64),
+            "top_tokens": np.full((4, n_pos, k), "x", dtype=object),
+            "top_probs": np.full((4, n_pos, k), 0.1, dtype=np.float32),
+            "entropy": np.ones((4, n_pos), dtype=np.float32),
+            "kl": np.zeros((4, n_pos), dtype=np.float32),
+            "target_probs": np.full((4, n_pos, 1), 0.2, dtype=np.float32),
+            "target_ranks": np.zeros((4, n_pos, 1), dtype=np.int64),
+        }
+    )
+    figure = ek.plot.trajectory(sited, " z")
+    ax = figure.axes[0]
+    line = ax.get_lines()[0]
+    assert line.get_xdata().tolist() == [0.0, 1.0]  # the stream after each layer only
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert "rank(' z'), right axis" in labels and "attn rows" in labels
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["embed", "1"]

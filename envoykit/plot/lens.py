@@ -58,6 +58,13 @@ def heatmap(
     return ax.figure
 
 
+# Where a sub-layer row sits on the layer axis of a trajectory (layer L's rows between L - 1
+# and L, in the model's order) and the marker it is drawn with; the stream after the layer
+# ("resid") is the line itself.
+_SITE_PLACES = {"attn": (-0.75, "^"), "resid_mid": (-0.5, "s"), "mlp": (-0.25, "v")}
+_MAX_TICKS = 16
+
+
 def trajectory(
     res: LensResult,
     targets: str | int | Sequence[str | int],
@@ -66,41 +73,70 @@ def trajectory(
     from_top_k: Sequence[int] = (),
     ax: Any = None,
 ) -> Any:
-    """Probability (left axis) and rank (right axis, log scale) of targets across layers.
+    """Probability (left axis) and rank (right axis, log scale, dashed) of targets across
+    layers, on an axis of layer numbers.
 
+    The stream after each layer ("resid") is drawn as the line; sub-layer rows (attention,
+    the stream between the blocks, MLP) are markers between the layer before and theirs, in
+    the model's order, so a result with sites does not zigzag between kinds of row.
     ``from_top_k`` adds tokens that are not targets, read from the top-k lists
     (`LensResult.top_k_trace`): a dotted line with gaps where a token was not among the top k,
     and no rank. ``position`` indexes ``res.positions``.
     """
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     targets = [targets] if isinstance(targets, (str, int)) else list(targets)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
-    x = np.arange(len(res.layers))
-    if targets:
-        ranks = ax.twinx()
-        for target in targets:
-            trace = res.target(target)
-            (line,) = ax.plot(x, trace.prob[:, position], marker="o", label=f"p({trace.token!r})")
-            ranks.plot(
-                x,
-                trace.rank[:, position] + 1,
-                linestyle="--",
-                color=line.get_color(),
-                label=f"rank({trace.token!r})",
-            )
+    layers = res.layers.astype(float)
+    stream = np.array([site == "resid" for site in res.sites])
+    places = layers + np.array([_SITE_PLACES.get(site, (0.0, ""))[0] for site in res.sites])
+    handles = []
+    ranks = ax.twinx() if targets else None
+    for target in targets:
+        trace = res.target(target)
+        probs = trace.prob[:, position]
+        (line,) = ax.plot(
+            layers[stream], probs[stream], marker="o", markersize=4, label=f"p({trace.token!r})"
+        )
+        handles.append(line)
+        for site, (_, marker) in _SITE_PLACES.items():
+            rows = np.array([s == site for s in res.sites])
+            if rows.any():
+                ax.plot(places[rows], probs[rows], marker, color=line.get_color(), markersize=5)
+        (rank,) = ranks.plot(
+            layers[stream],
+            trace.rank[stream, position] + 1,
+            linestyle="--",
+            color=line.get_color(),
+            alpha=0.6,
+            label=f"rank({trace.token!r}), right axis",
+        )
+        handles.append(rank)
+    if ranks is not None:
         ranks.set_yscale("log")
         ranks.invert_yaxis()
         ranks.set_ylabel("rank (1 = top)")
     for token_id in from_top_k:
         token, probs = res.top_k_trace(token_id, position)
-        ax.plot(x, probs, marker="x", linestyle=":", label=f"p({token!r}) where in top-k")
+        (line,) = ax.plot(
+            places, probs, marker="x", linestyle=":", label=f"p({token!r}) where in top-k"
+        )
+        handles.append(line)
+    for site, (_, marker) in _SITE_PLACES.items():
+        if site in res.sites:
+            handles.append(
+                Line2D([], [], marker=marker, linestyle="", color="grey", label=f"{site} rows")
+            )
     ax.set_ylim(0, 1)
     ax.set_ylabel("probability")
-    ax.set_xticks(x, res.layer_labels, fontsize=8)
+    shown = sorted(set(res.layers.tolist()))
+    step = max(1, -(-len(shown) // _MAX_TICKS))
+    ticks = shown[::step]
+    ax.set_xticks(ticks, ["embed" if t == 0 else str(t) for t in ticks], fontsize=8)
     ax.set_xlabel("layer")
-    ax.set_title(f"target tokens at position {res.tokens[position]!r}", fontsize=10)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"{res.run_label}: targets at position {res.tokens[position]!r}", fontsize=10)
+    ax.legend(handles=handles, loc="upper left", fontsize=7)
     ax.figure.tight_layout()
     return ax.figure

@@ -813,7 +813,8 @@ def test_a_drop_draws_the_patched_lens_and_its_diff(comparing, tiny2):
 def test_sweep_button_draws_the_map_with_progress(comparing, tiny2):
     res = comparing.run()
     paris = int(res.target_ids[0])
-    comparing.sweep_panel.button.click()
+    comparing.sweep_panel.button.click()  # sweeps on a thread of its own
+    assert comparing.sweep_panel.wait(120)
     sweep = comparing.sweep
     assert (sweep.source, sweep.target) == (OTHER, PROMPT)
     assert sweep.values.shape == (3, 7) and sweep.layers.tolist() == [0, 2, 4]
@@ -828,6 +829,23 @@ def test_sweep_button_draws_the_map_with_progress(comparing, tiny2):
     assert comparing.sweep_figure.axes[0].images
     assert comparing.sweep_panel.view.outputs[0]["data"]["image/png"]
     assert not comparing.sweep_panel.button.disabled
+    assert "took" in comparing.sweep_panel.header.value
+
+
+@pytest.mark.engine
+def test_cancel_stops_the_sweep_and_leaves_the_engine_usable(comparing, tiny2):
+    comparing.run()
+    panel = comparing.sweep_panel
+    panel.button.click()
+    assert panel.button.disabled and not panel.cancel_button.disabled
+    panel.cancel_button.click()  # heard while the sweep runs: the kernel is not blocked
+    assert panel.wait(120)
+    assert panel.result is None and "cancelled after" in panel.header.value
+    assert panel.progress.value < panel.progress.max
+    assert not panel.button.disabled and panel.cancel_button.disabled
+    assert comparing.run() is not None  # the engine answers
+    panel.button.click()  # and the next sweep is not cancelled by the last Cancel
+    assert panel.wait(120) and panel.result is not None
 
 
 @pytest.mark.engine

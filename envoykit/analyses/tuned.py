@@ -116,8 +116,9 @@ class TunedLens:
         the end), not those with the lowest training loss. ``weight_decay`` (AdamW) pulls
         the translators towards zero, the logit lens, where the data do not say otherwise.
 
-        Stops after ``steps`` optimizer steps, or when ``max_seconds`` have passed, or after
-        one pass over the texts if neither is given. Deterministic given ``seed``. The
+        Stops after ``steps`` optimizer steps, or before a step that would end past
+        ``max_seconds`` at the pace of the steps so far (one step always runs), or after one
+        pass over the texts if neither is given. Deterministic given ``seed``. The
         result's ``quality`` is its `LensQuality` on the held-out texts; a warning says so
         when it beats the logit lens at fewer than half of the layers.
         """
@@ -150,9 +151,11 @@ class TunedLens:
         bar = tqdm(total=total or max_seconds, desc="tuned lens", disable=not progress)
         step = 0
         try:
-            # At least one step, however long the set-up took of a time budget.
+            # At least one step, however long the set-up took of a time budget; after it,
+            # no step that would end past the budget at the pace of the steps so far.
+            stepping = time.monotonic()
             while (total is None or step < total) and not (
-                max_seconds and step and time.monotonic() - started >= max_seconds
+                max_seconds and step and _over_budget(started, stepping, step, max_seconds)
             ):
                 streams = layer_streams(engine, batches[step % len(batches)])
                 loss = _step(head, streams, weight, bias, optimizer)
@@ -309,6 +312,13 @@ def check_same_model(mine: dict, model: dict, made: str, advice: str) -> None:
             f"{made} on {mine.get('name')!r} ({_shape(mine)}), not on the "
             f"engine's {model.get('name')!r} ({_shape(theirs)}): {advice}"
         )
+
+
+def _over_budget(started: float, stepping: float, steps: int, budget: float) -> bool:
+    """Whether one more step, as long as the mean step since ``stepping``, would end more
+    than ``budget`` seconds after ``started``."""
+    now = time.monotonic()
+    return now + (now - stepping) / steps - started > budget
 
 
 def _shape(model: dict) -> str:

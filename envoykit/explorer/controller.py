@@ -136,7 +136,7 @@ class LensExplorer(ExplorerLayout):
             view.observe(self._on_other_pinned, "pinned")
         self.compare.observe(self._on_compare, "value")
         self.run_button.on_click(lambda _: self.run())
-        self.sweep_panel.button.on_click(lambda _: self.run_sweep())
+        self.sweep_panel.button.on_click(lambda _: self.sweep_panel.start(self.run_sweep))
 
         self.steering_panel = None if readonly else self._add_steering_panel()
         self._on_compare()

@@ -1,19 +1,27 @@
-"""`SweepPanel`: a causal-tracing sweep started from the explorer, with a progress bar.
+"""`SweepPanel`: a causal-tracing sweep started from the explorer, with a progress bar,
+the time it has taken and the time left, and a Cancel button.
 
 `Engine.patch_sweep` reports progress as a tqdm bar, which a button's callback has no cell
 to draw in. The panel runs the sweep one layer at a time instead — one `patch_sweep` call
 per row of the map — moves an ipywidgets ``IntProgress`` after each row and joins the rows
 into one `SweepResult` (`join_rows`), drawn as ``plot.sweep`` draws it. The price: every
 call reads the source and measures the clean and source runs again, three forward passes
-per layer on top of the batched ones. An interrupt (the kernel's stop button) stops it
-between rows, or inside one, and leaves the engine usable.
+per layer on top of the batched ones.
+
+The Sweep button runs it on a thread of its own (`start`), so the notebook stays usable
+while it runs (a cell that uses the engine meanwhile waits for the row in flight, not for
+the sweep) and Cancel is heard: it stops the sweep after the row in flight, which leaves
+the engine usable. Called from code, `run` sweeps on the caller's thread, where an interrupt
+(the kernel's stop button) stops it between rows, or inside one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import html
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ipywidgets as widgets
@@ -50,6 +58,15 @@ class SweepPanel(widgets.VBox):
             icon="th",
             tooltip="patch the second prompt into the first at every picked layer and position",
         )
+        self.cancel_button = widgets.Button(
+            description="Cancel",
+            icon="stop",
+            disabled=True,
+            tooltip="stop the sweep after the row in flight",
+        )
+        self.cancel_button.on_click(lambda _: self._cancel.set())
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="layers", layout=widgets.Layout(width="320px")
         )
@@ -57,8 +74,31 @@ class SweepPanel(widgets.VBox):
         self.view = widgets.Output()
         self.result: SweepResult | None = None
         self.figure: Any = None
-        super().__init__([widgets.HBox([self.button, self.progress]), self.header, self.view])
+        super().__init__(
+            [widgets.HBox([self.button, self.cancel_button, self.progress]), self.header, self.view]
+        )
         self.add_class("ek-sweep")
+
+    def start(self, sweep: Callable[[], Any]) -> None:
+        """Run ``sweep`` (a call of `run`) on a thread of its own: the kernel stays free to
+        hear Cancel and to run cells. An error it did not expect is shown, not lost."""
+
+        def work() -> None:
+            try:
+                sweep()
+            except Exception as err:  # a thread's error reaches no cell: show it here
+                self.say(f"the sweep failed: {type(err).__name__}: {err}", error=True)
+
+        self._cancel.clear()
+        self.button.disabled = True  # until `run` is done: one sweep at a time
+        self._thread = threading.Thread(target=work, name="envoykit-sweep", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a sweep `start` began; whether it has finished."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
 
     def run(
         self, engine: Any, source: str, target: str, *, layers: Sequence[int], target_token: int
@@ -66,11 +106,23 @@ class SweepPanel(widgets.VBox):
         """Sweep ``source`` into ``target`` over ``layers`` (site "resid") and every position,
         a row at a time; the result, or None when the engine refused (the reason is shown)."""
         self.button.disabled = True
+        self.cancel_button.disabled = False
         self.progress.max, self.progress.value = len(layers), 0
         parts: list[SweepResult] = []
+        began = time.monotonic()
         try:
             for layer in layers:
-                self._head(f"layer {layer}: row {len(parts) + 1} of {len(layers)}…")
+                if self._cancel.is_set():
+                    self.say(
+                        f"cancelled after {len(parts)} of {len(layers)} rows "
+                        f"({_duration(time.monotonic() - began)}); the engine is free",
+                        error=True,
+                    )
+                    return None
+                self._head(
+                    f"layer {layer}: row {len(parts) + 1} of {len(layers)}; "
+                    + _times(time.monotonic() - began, len(parts), len(layers))
+                )
                 try:
                     part = engine.patch_sweep(
                         source, target, layers=[layer], target_token=target_token, progress=False
@@ -82,12 +134,14 @@ class SweepPanel(widgets.VBox):
                 self.progress.value = len(parts)
         finally:
             self.button.disabled = False
+            self.cancel_button.disabled = True
+            self._cancel.clear()  # a Cancel is for the sweep it stopped, not the next one
         result = join_rows(parts)
-        self.show(result)
+        self.show(result, took=time.monotonic() - began)
         return result
 
-    def show(self, res: SweepResult) -> None:
-        """Draw ``res`` as ``plot.sweep`` does."""
+    def show(self, res: SweepResult, took: float | None = None) -> None:
+        """Draw ``res`` as ``plot.sweep`` does (``took``: the seconds it took, said)."""
         from matplotlib.figure import Figure
 
         n_layers, n_pos = res.values.shape
@@ -100,6 +154,7 @@ class SweepPanel(widgets.VBox):
             f"{res.label} at the first prompt's last position after copying the second "
             f"prompt's residual stream at each layer and position (clean {res.clean:.3g}, "
             f"second prompt {res.source_value:.3g})"
+            + ("" if took is None else f"; took {_duration(took)}")
         )
 
     def say(self, text: str, *, error: bool = False) -> None:
@@ -110,3 +165,17 @@ class SweepPanel(widgets.VBox):
 
     def _head(self, text: str, *, error: bool = False) -> None:
         self.header.value = f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error)}"
+
+
+def _times(elapsed: float, done: int, total: int) -> str:
+    """Elapsed time, and the time left at the pace so far once a row has run."""
+    if not done:
+        return f"{_duration(elapsed)} so far"
+    left = elapsed / done * (total - done)
+    return f"{_duration(elapsed)} so far, about {_duration(left)} left"
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` for people: ``"42 s"``, ``"3 min 05 s"``."""
+    seconds = max(0, round(seconds))
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"

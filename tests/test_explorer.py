@@ -833,6 +833,19 @@ def test_sweep_button_draws_the_map_with_progress(comparing, tiny2):
 
 
 @pytest.mark.engine
+def test_the_export_of_a_patched_run_says_so_and_carries_every_panel(comparing, tmp_path):
+    comparing.run()
+    comparing.heatmap.set_state({"drop": {"source": [2, 3], "target": [3, 3]}})
+    assert "logit lens, patched (layer 2 resid)" in comparing.status.value
+    page = comparing.export(tmp_path / "patched.html").read_text()
+    assert "<h3>Logit lens, patched (layer 2 resid) of" in page
+    titles = re.findall(r'<section class="ek-panel"><h4>([^<]*)</h4>', page)
+    assert titles[0].startswith("diff: ") and "trajectory" in titles
+    assert "direct logit attribution" not in titles  # a patched run shows none
+    assert page.count("data:image/png;base64,") == len(titles)
+
+
+@pytest.mark.engine
 def test_cancel_stops_the_sweep_and_leaves_the_engine_usable(comparing, tiny2):
     comparing.run()
     panel = comparing.sweep_panel

@@ -139,12 +139,19 @@ function human(value, span) {
   return String(Number(v.toPrecision(3)));
 }
 
-/** The legend of a grid: its title, the low value, a colour bar of its stops, the high value. */
-function legendNodes(g) {
+/**
+ * The legend of a grid: what was run and its title, the low value, a colour bar of its
+ * stops, the high value.
+ */
+function legendNodes(g, run) {
   const bar = element("span", "ek-bar");
   bar.style.background = `linear-gradient(90deg, ${g.stops.join(", ")})`;
   return [
-    element("span", "ek-legend-label", title(g) + (g.robust ? " · 1st–99th percentile" : "")),
+    element(
+      "span",
+      "ek-legend-label",
+      (run ? `${run} · ` : "") + title(g) + (g.robust ? " · 1st–99th percentile" : ""),
+    ),
     element("span", "", human(g.vmin, g.vmax - g.vmin)),
     bar,
     element("span", "", human(g.vmax, g.vmax - g.vmin)),
@@ -275,7 +282,7 @@ function layout(view) {
 // switch repaints the canvas alone).
 function redraw(view) {
   const g = grid(view);
-  view.legend.replaceChildren(...(g ? legendNodes(g) : []));
+  view.legend.replaceChildren(...(g ? legendNodes(g, data(view).run) : []));
   draw(view);
 }
 

@@ -146,6 +146,7 @@ class LensExplorer(ExplorerLayout):
         if readonly:
             self._show()
         else:
+            self._say("type a prompt and targets, pick layers, then press Run")
             self._draw_attribution()
 
     @property
@@ -272,11 +273,27 @@ class LensExplorer(ExplorerLayout):
     def export(self, path: str | Path) -> Path:
         """Save what is shown: ``.png``/``.svg`` (matplotlib heatmap of the current metric),
         ``.json`` (`LensResult.to_json`) or ``.html`` (a page that draws the interactive
-        heatmap in any browser, with no kernel)."""
+        heatmap in any browser, with no kernel, and under it every other panel shown: the
+        diff, the trajectory, the attribution and the sweep, as figures)."""
         shown = self._shown()
         if shown is None:
             raise InvalidRequest("nothing to export yet: run the lens first")
-        return export.save(shown, self.heatmap.metric, path)
+        return export.save(shown, self.heatmap.metric, path, self._panel_figures())
+
+    def _panel_figures(self) -> list[tuple[str, Any]]:
+        """``(title, figure)`` of every panel under the heatmap that shows a figure now."""
+        panels = []
+        if self.comparison is not None:
+            figure = plot.compare(self.comparison)
+            panels.append((f"diff: {self.comparison.a} → {self.comparison.b}", figure))
+        for title, figure in (
+            ("trajectory", self.trajectory_figure),
+            ("direct logit attribution", self.attribution_figure),
+            ("patch sweep", self.sweep_figure),
+        ):
+            if figure is not None:
+                panels.append((title, figure))
+        return panels
 
     # -- internals -------------------------------------------------------------------------
 

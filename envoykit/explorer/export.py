@@ -1,7 +1,10 @@
 """Saving what the explorer shows: a figure, the result itself, or a standalone page.
 
-The standalone page is a file people share, so nothing from the result is ever parsed as
-HTML: the prompt and model name are escaped, and the state travels as JSON inside
+The standalone page carries every panel the explorer showed: the interactive heatmap, then
+each other panel (the diff, the trajectory, the attribution, the sweep) as a figure under its
+title. It is a file people share, so nothing from the result is ever parsed as HTML: the
+figures are PNG images, their titles, the prompt and the model name are escaped, and the
+state travels as JSON inside
 ``<script type="application/json">`` with ``<``, ``>`` and ``&`` written as ``\\u`` escapes,
 so no token can close the element or open a comment in it. The page's own code
 (``widgets/standalone.js``) arrives as a ``data:`` URL and renders the same ``heatmap.js``
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +29,15 @@ from envoykit.results.lens import LensResult
 SUFFIXES = (".png", ".svg", ".json", ".html")
 
 
-def save(res: LensResult, metric: str, path: str | Path) -> Path:
+def save(
+    res: LensResult,
+    metric: str,
+    path: str | Path,
+    panels: Sequence[tuple[str, Any]] = (),
+) -> Path:
     """Save ``res`` by the suffix of ``path``: ``.png``/``.svg`` (the matplotlib heatmap of
-    ``metric``), ``.json`` (`LensResult.to_json`) or ``.html`` (`standalone_html`)."""
+    ``metric``), ``.json`` (`LensResult.to_json`) or ``.html`` (`standalone_html`, with the
+    ``panels``: ``(title, matplotlib figure)`` pairs)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".png", ".svg"):
@@ -40,14 +51,18 @@ def save(res: LensResult, metric: str, path: str | Path) -> Path:
     elif suffix == ".json":
         res.to_json(str(path))
     elif suffix == ".html":
-        path.write_text(standalone_html(res, metric), encoding="utf-8")
+        path.write_text(standalone_html(res, metric, panels), encoding="utf-8")
     else:
         raise InvalidRequest(f"cannot export to {suffix!r}: use {', '.join(SUFFIXES)}")
     return path
 
 
-def standalone_html(res: LensResult, metric: str = "prob") -> str:
-    """A self-contained page drawing the interactive heatmap of ``res``: no kernel, no network.
+def standalone_html(
+    res: LensResult, metric: str = "prob", panels: Sequence[tuple[str, Any]] = ()
+) -> str:
+    """A self-contained page drawing the interactive heatmap of ``res``, then each of
+    ``panels`` (``(title, matplotlib figure)``) as an image under its title: no kernel, no
+    network.
 
     The same ``heatmap.js`` runs against a stand-in for the anywidget model that keeps the
     state in the page (``widgets/standalone.js``); a metric menu replaces the explorer's
@@ -65,6 +80,7 @@ def standalone_html(res: LensResult, metric: str = "prob") -> str:
 hover a cell for its top-{res.top_ids.shape[-1]}, click it to keep the tooltip open
 (Esc closes it)</p>
 <div id="ek-root"></div>
+{"".join(_panel_html(title, figure) for title, figure in panels)}
 <script type="application/json" id="ek-state">{_script_json(state)}</script>
 <script type="application/json" id="ek-heatmap-js">{_script_json(module("heatmap.js"))}</script>
 <script type="module" src="data:text/javascript;base64,{script}"></script>
@@ -76,3 +92,15 @@ def _script_json(value: Any) -> str:
     """JSON that is inert inside a ``<script>`` element, whatever text it carries."""
     text = json.dumps(value, allow_nan=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _panel_html(title: str, figure: Any) -> str:
+    """A panel of the page: its title (escaped) over its figure, a PNG in a data URL."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    png = base64.b64encode(buffer.getvalue()).decode()
+    return (
+        f'<section class="ek-panel"><h4>{html.escape(title)}</h4>'
+        f'<img alt="{html.escape(title, quote=True)}" src="data:image/png;base64,{png}">'
+        "</section>\n"
+    )

@@ -76,7 +76,7 @@ class ExplorerLayout(widgets.VBox):
         self.lens_kind = widgets.Dropdown(
             description="lens",
             options=[("logit lens", "logit"), ("tuned lens", "tuned")],
-            layout=widgets.Layout(width="200px", display="none"),
+            layout=widgets.Layout(width="260px", display="none"),  # "tuned lens" whole
         )
         self.run_button = widgets.Button(
             description="Run", button_style="primary", icon="play", disabled=readonly

@@ -49,6 +49,7 @@ def heatmap_data(res: LensResult, marks: Sequence[Sequence[int]] = ()) -> dict[s
         grids[key] = {**metric.scale(values), "values": json_grid(values)}
     return {
         "prompt": res.prompt,
+        "run": res.run_label,  # the legend says what was run: tuned, patched, steered
         "layer_labels": res.layer_labels,
         "tokens": list(res.token_labels),  # a repeated token's columns told apart
         "top_ids": res.top_ids.tolist(),

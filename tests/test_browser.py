@@ -459,6 +459,30 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
         )
         assert_nothing_ran(page)
 
+        # The colour controls, typed by hand: the legend's ends and its label follow.
+        boxes = page.locator(".ek-colour-control input")
+        boxes.nth(0).fill("0.25")
+        boxes.nth(1).fill("0.75")
+        page.wait_for_function(
+            "() => document.querySelector('.ek-legend-max')?.textContent === '0.75'",
+            timeout=30000,
+        )
+        legend = page.locator(f"{MAIN} .ek-legend")
+        assert legend.locator(".ek-legend-min").inner_text() == "0.25"
+        assert "limits set" in legend.inner_text()
+        page.locator(".ek-colour-control select").select_option("log")
+        page.wait_for_function(
+            "() => document.querySelector('.ek-legend')?.textContent.includes('log scale')",
+            timeout=30000,
+        )
+        boxes.nth(0).fill("")
+        boxes.nth(1).fill("")
+        page.locator(".ek-colour-control select").select_option("linear")
+        page.wait_for_function(
+            "() => !document.querySelector('.ek-legend')?.textContent.includes('limits set')",
+            timeout=30000,
+        )
+
         heatmap = page.locator(MAIN)
         assert heatmap.evaluate(CANVAS_BACKGROUND) > 0.9
         page.evaluate(

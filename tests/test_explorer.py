@@ -921,3 +921,26 @@ def test_diff_cells_are_as_wide_as_their_text():
     assert cell_width([["a", "b"]]) == 52  # a lens's width at least
     assert cell_width([[" Paris→ London"]]) == round(len(" Paris→ London") * 6.2 + 8)
     assert cell_width([["x" * 200]]) == 160  # cut there, whole in the tooltip
+
+
+def test_colour_controls_set_the_heatmaps_limits_and_the_export(tmp_path):
+    explorer = LensExplorer(ek.LensResult.example())
+    explorer.colour_min.value = "0.2"
+    explorer.colour_max.value = "0.9"
+    explorer.colour_scale.value = "log"
+    assert explorer.heatmap.limits == {"vmin": 0.2, "vmax": 0.9, "log": True}
+    explorer.colour_max.value = "0.1"  # not above the minimum: refused, nothing changed
+    assert "is not below the maximum" in explorer.message.value
+    assert explorer.heatmap.limits["vmax"] == 0.9
+    explorer.colour_max.value = "lots"
+    assert "'lots' is not a number" in html.unescape(explorer.message.value)
+    explorer.colour_max.value = ""  # blank: the metric's own
+    assert explorer.heatmap.limits == {"vmin": 0.2, "vmax": None, "log": True}
+    assert explorer.message.value == ""
+    page = explorer.export(tmp_path / "lens.html").read_text()
+    assert '"limits": {"vmin": 0.2, "vmax": null, "log": true}' in page
+    figure = plot.heatmap(ek.LensResult.example(), vmin=0.2, log=True)
+    norm = figure.axes[0].get_images()[0].norm
+    assert type(norm).__name__ == "LogNorm" and norm.vmin == pytest.approx(0.2)
+    with pytest.raises(traitlets.TraitError, match="limits are"):
+        explorer.heatmap.limits = {"vmin": "low"}

@@ -131,11 +131,12 @@ function title(g) {
 
 /**
  * A legend number for people: 0 for what is zero at the scale's resolution (an entropy's
- * 4.8e-22 on a scale of 5 nats), else three significant digits without trailing zeros.
+ * 4.8e-22 on a scale of 5 nats; no span: never), else three significant digits without
+ * trailing zeros.
  */
 function human(value, span) {
   const v = Number(value);
-  if (Math.abs(v) < 1e-3 * Math.abs(span || 1)) return "0";
+  if (span && Math.abs(v) < 1e-3 * Math.abs(span)) return "0";
   return String(Number(v.toPrecision(3)));
 }
 
@@ -143,18 +144,21 @@ function human(value, span) {
  * The legend of a grid: what was run and its title, the low value, a colour bar of its
  * stops, the high value.
  */
-function legendNodes(g, run) {
+function legendNodes(g, run, scale) {
   const bar = element("span", "ek-bar");
   bar.style.background = `linear-gradient(90deg, ${g.stops.join(", ")})`;
+  const set = scale.vmin !== g.vmin || scale.vmax !== g.vmax;
+  const how = set ? " · limits set" : g.robust ? " · 1st–99th percentile" : "";
+  const span = scale.log ? scale.vmax : scale.vmax - scale.vmin;
   return [
     element(
       "span",
       "ek-legend-label",
-      (run ? `${run} · ` : "") + title(g) + (g.robust ? " · 1st–99th percentile" : ""),
+      (run ? `${run} · ` : "") + title(g) + how + (scale.log ? " · log scale" : ""),
     ),
-    element("span", "", human(g.vmin, g.vmax - g.vmin)),
+    element("span", "ek-legend-min", human(scale.vmin, scale.log ? 0 : span)),
     bar,
-    element("span", "", human(g.vmax, g.vmax - g.vmin)),
+    element("span", "ek-legend-max", human(scale.vmax, span)),
   ];
 }
 
@@ -282,7 +286,9 @@ function layout(view) {
 // switch repaints the canvas alone).
 function redraw(view) {
   const g = grid(view);
-  view.legend.replaceChildren(...(g ? legendNodes(g, data(view).run) : []));
+  view.legend.replaceChildren(
+    ...(g ? legendNodes(g, data(view).run, colourScale(view, g)) : []),
+  );
   draw(view);
 }
 
@@ -322,19 +328,39 @@ function draw(view) {
   drawAxes(view, ctx, colours, range, viewW, viewH);
 }
 
+/**
+ * The colour scale the cells are drawn with: the grid's limits, or those set in the model's
+ * `limits` ({vmin, vmax, log}: the explorer's colour controls); on a log scale a low limit
+ * at or below zero becomes a millionth of the high one. Returns the limits and a function
+ * from a value to its place on the colour map (0..1, clamped by colourAt).
+ */
+function colourScale(view, g) {
+  const limits = view.model.get("limits") || {};
+  const vmax = limits.vmax ?? g.vmax;
+  let vmin = limits.vmin ?? g.vmin;
+  if (limits.log) {
+    if (!(vmin > 0)) vmin = vmax > 0 ? vmax * 1e-6 : 1e-6;
+    const low = Math.log(vmin);
+    const span = Math.log(Math.max(vmax, vmin * 10)) - low;
+    return { vmin, vmax, log: true, at: (v) => (v > 0 ? (Math.log(v) - low) / span : 0) };
+  }
+  const span = vmax - vmin || 1;
+  return { vmin, vmax, log: false, at: (v) => (v - vmin) / span };
+}
+
 /** The cells of `range` in their colours and texts; returns how many were drawn. */
 function drawCells(view, ctx, g, colours, { p0, p1, r0, r1 }) {
   const d = data(view);
   const nL = dims(view)[0];
   const stops = g.stops.map(hexToRgb);
-  const span = g.vmax - g.vmin || 1;
+  const scale = colourScale(view, g);
   const { scrollLeft: sx, scrollTop: sy } = view.scroller;
   let drawn = 0;
   for (let r = r0; r <= r1; r++) {
     const l = nL - 1 - r;
     for (let p = p0; p <= p1; p++) {
       const v = g.values[l][p];
-      const rgb = v === null ? null : colourAt(stops, (v - g.vmin) / span);
+      const rgb = v === null ? null : colourAt(stops, scale.at(v));
       const x = cellX(view, p) - sx;
       const y = cellY(view, l) - sy;
       ctx.fillStyle = rgb ? `rgb(${rgb.join(",")})` : colours.nan;
@@ -641,6 +667,7 @@ function render({ model, el }) {
     if (!tip.hidden) fillTip(view, Number(tip.dataset.layer), Number(tip.dataset.position));
   });
   model.on("change:selected", () => draw(view));
+  model.on("change:limits", () => redraw(view));
   layout(view);
   requestAnimationFrame(() => draw(view));
   return () => {

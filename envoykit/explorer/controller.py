@@ -27,12 +27,14 @@ patches the second prompt into the first at every picked layer and position.
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
 import numpy as np
+import traitlets
 
 from envoykit import plot
 from envoykit.analyses.compare import compare
@@ -128,6 +130,8 @@ class LensExplorer(ExplorerLayout):
 
         self.targets.observe(self._on_targets, "value")
         self.metric.observe(self._on_metric, "value")
+        for control in (self.colour_min, self.colour_max, self.colour_scale):
+            control.observe(self._on_colour_limits, "value")
         self.picker.observe(self._on_layers, ["selected", "selected_sites"])
         self.heatmap.observe(self._on_selected, "selected")
         self.heatmap.observe(self._on_pinned, "pinned")
@@ -278,7 +282,9 @@ class LensExplorer(ExplorerLayout):
         shown = self._shown()
         if shown is None:
             raise InvalidRequest("nothing to export yet: run the lens first")
-        return export.save(shown, self.heatmap.metric, path, self._panel_figures())
+        return export.save(
+            shown, self.heatmap.metric, path, self._panel_figures(), dict(self.heatmap.limits)
+        )
 
     def _panel_figures(self) -> list[tuple[str, Any]]:
         """``(title, figure)`` of every panel under the heatmap that shows a figure now."""
@@ -472,6 +478,21 @@ class LensExplorer(ExplorerLayout):
             self.heatmap.metric = change["new"]
             self.compare_panel.source.metric = change["new"]
             self._sync_diff_metric()
+
+    def _on_colour_limits(self, _: Any = None) -> None:
+        """The colour controls to the heatmap's ``limits``; a limit that is not a number, or
+        a minimum not below the maximum, is a message and changes nothing."""
+        try:
+            bounds = [_limit(box.value) for box in (self.colour_min, self.colour_max)]
+            self.heatmap.limits = {
+                "vmin": bounds[0],
+                "vmax": bounds[1],
+                "log": self.colour_scale.value == "log",
+            }
+        except (ValueError, traitlets.TraitError) as err:
+            self._say(f"colour limits: {err}", True)
+            return
+        self._say("")
 
     def _on_compare(self, _: Any = None) -> None:
         shown = None if self.compare.value else "none"
@@ -676,6 +697,21 @@ class LensExplorer(ExplorerLayout):
         if self.heatmap.pinned:
             return int(self.heatmap.pinned[-1])
         return int(shown.target_ids[0]) if len(shown.target_ids) else None
+
+
+def _limit(text: str) -> float | None:
+    """A colour limit typed in a box: a number, or blank for the metric's own."""
+    if not text.strip():
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a number (leave it blank for the metric's own)"
+        ) from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
 
 
 def _same_cell(cell: list[int] | None, labels: list[str], shown: LensResult) -> list[int] | None:

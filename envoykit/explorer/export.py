@@ -34,10 +34,13 @@ def save(
     metric: str,
     path: str | Path,
     panels: Sequence[tuple[str, Any]] = (),
+    limits: dict[str, Any] | None = None,
 ) -> Path:
     """Save ``res`` by the suffix of ``path``: ``.png``/``.svg`` (the matplotlib heatmap of
     ``metric``), ``.json`` (`LensResult.to_json`) or ``.html`` (`standalone_html`, with the
-    ``panels``: ``(title, matplotlib figure)`` pairs)."""
+    ``panels``: ``(title, matplotlib figure)`` pairs). ``limits``: the colour scale set by
+    hand (`Heatmap.limits`), in the figure and the page alike."""
+    limits = dict(limits or {})
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".png", ".svg"):
@@ -45,20 +48,23 @@ def save(
 
         from envoykit import plot
 
-        figure = plot.heatmap(res, metric)
+        figure = plot.heatmap(res, metric, **limits)
         figure.savefig(path)
         plt.close(figure)
     elif suffix == ".json":
         res.to_json(str(path))
     elif suffix == ".html":
-        path.write_text(standalone_html(res, metric, panels), encoding="utf-8")
+        path.write_text(standalone_html(res, metric, panels, limits), encoding="utf-8")
     else:
         raise InvalidRequest(f"cannot export to {suffix!r}: use {', '.join(SUFFIXES)}")
     return path
 
 
 def standalone_html(
-    res: LensResult, metric: str = "prob", panels: Sequence[tuple[str, Any]] = ()
+    res: LensResult,
+    metric: str = "prob",
+    panels: Sequence[tuple[str, Any]] = (),
+    limits: dict[str, Any] | None = None,
 ) -> str:
     """A self-contained page drawing the interactive heatmap of ``res``, then each of
     ``panels`` (``(title, matplotlib figure)``) as an image under its title: no kernel, no
@@ -68,7 +74,13 @@ def standalone_html(
     state in the page (``widgets/standalone.js``); a metric menu replaces the explorer's
     dropdown. The page follows the reader's light or dark colour scheme.
     """
-    state = {"data": heatmap_data(res), "metric": metric, "selected": None, "pinned": []}
+    state = {
+        "data": heatmap_data(res),
+        "metric": metric,
+        "selected": None,
+        "pinned": [],
+        "limits": dict(limits or {}),
+    }
     model = str(res.meta.get("model", "stored result"))
     script = base64.b64encode(asset("standalone.js").encode()).decode()
     what, prompt = html.escape(res.run_label), html.escape(repr(res.prompt))

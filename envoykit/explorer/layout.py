@@ -65,6 +65,18 @@ class ExplorerLayout(widgets.VBox):
         self.tokenization = widgets.HTML()
         self.metric = widgets.Dropdown(description="metric", options=metric_options)
         self.metric.add_class("ek-metric")  # the page's handle on it, beside other menus
+        # The colour scale, set by hand: blank limits are the metric's own.
+        self.colour_min = widgets.Text(
+            description="colour min", placeholder="auto", layout=widgets.Layout(width="170px")
+        )
+        self.colour_max = widgets.Text(
+            description="max", placeholder="auto", layout=widgets.Layout(width="130px")
+        )
+        self.colour_scale = widgets.Dropdown(
+            description="scale", options=["linear", "log"], layout=widgets.Layout(width="160px")
+        )
+        for control in (self.colour_min, self.colour_max, self.colour_scale):
+            control.add_class("ek-colour-control")
         self.top_k = widgets.BoundedIntText(
             value=top_k,
             min=1,
@@ -125,6 +137,7 @@ class ExplorerLayout(widgets.VBox):
                 self.targets,
                 self.tokenization,
                 widgets.HBox([self.metric, self.top_k, self.lens_kind]),
+                widgets.HBox([self.colour_min, self.colour_max, self.colour_scale]),
                 widgets.HBox([self.run_button, self.status]),
             ],
             layout=widgets.Layout(width="55%"),

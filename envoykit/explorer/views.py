@@ -58,11 +58,32 @@ class Heatmap(anywidget.AnyWidget):
     drag_role = traitlets.Enum(DRAG_ROLES, default_value="").tag(sync=True)
     drag_group = traitlets.Unicode("").tag(sync=True)
     drop = traitlets.Dict(default_value=None, allow_none=True).tag(sync=True)
+    # The colour scale's limits as set by a person ({"vmin", "vmax": a number or None for
+    # the metric's own, "log": bool}); {} draws with the metric's.
+    limits = traitlets.Dict().tag(sync=True)
 
     def __init__(self, result: LensResult | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if result is not None:
             self.data = heatmap_data(result)
+
+    @traitlets.validate("limits")
+    def _check_limits(self, proposal: dict[str, Any]) -> dict[str, Any]:
+        limits = dict(proposal["value"])
+        unknown = set(limits) - {"vmin", "vmax", "log"}
+        bounds = [limits.get(key) for key in ("vmin", "vmax")]
+        numbers = all(
+            b is None or (isinstance(b, (int, float)) and not isinstance(b, bool)) for b in bounds
+        )
+        if unknown or not numbers or not isinstance(limits.get("log", False), bool):
+            raise traitlets.TraitError(
+                f"limits are {{'vmin': number or None, 'vmax': number or None, 'log': bool}}, "
+                f"not {proposal['value']!r}"
+            )
+        low, high = bounds
+        if low is not None and high is not None and low >= high:
+            raise traitlets.TraitError(f"the colour minimum {low} is not below the maximum {high}")
+        return limits
 
     @traitlets.validate("drop")
     def _check_drop(self, proposal: dict[str, Any]) -> dict[str, list[int]] | None:

@@ -16,20 +16,36 @@ if TYPE_CHECKING:
 
 
 def heatmap(
-    res: LensResult, metric: str = "prob", *, ax: Any = None, title: str | None = None
+    res: LensResult,
+    metric: str = "prob",
+    *,
+    ax: Any = None,
+    title: str | None = None,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    log: bool = False,
 ) -> Any:
-    """Layers (rows, last on top) x positions (columns), top-1 token in each cell."""
+    """Layers (rows, last on top) x positions (columns), top-1 token in each cell.
+
+    ``vmin``/``vmax`` set the colour limits (None: the metric's own, `Metric.range`);
+    ``log`` draws the colours on a log scale (a limit at or below zero becomes a millionth
+    of the top one), as the widget's colour controls do."""
     import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm, Normalize
 
     grid, definition = metric_grid(res, metric)
     label = definition.title
     n_layers, n_pos = grid.shape
     if ax is None:
         _, ax = plt.subplots(figsize=(min(2.0 + 1.1 * n_pos, 30), min(1.5 + 0.32 * n_layers, 30)))
-    vmin, vmax = definition.range(grid)
-    image = ax.imshow(
-        grid, aspect="auto", origin="lower", cmap=definition.cmap, vmin=vmin, vmax=vmax
-    )
+    low, high = definition.range(grid)
+    low, high = (low if vmin is None else vmin), (high if vmax is None else vmax)
+    if log:
+        low = low if low > 0 else (high if high > 0 else 1.0) * 1e-6
+        norm = LogNorm(vmin=low, vmax=max(high, low * 10))
+    else:
+        norm = Normalize(vmin=low, vmax=high)
+    image = ax.imshow(grid, aspect="auto", origin="lower", cmap=definition.cmap, norm=norm)
     cells = image.to_rgba(grid)  # the colour of every cell, to write its token legibly on it
     for li in range(n_layers):
         for pi in range(n_pos):
@@ -50,7 +66,7 @@ def heatmap(
     ax.set_ylabel("layer")
     ax.set_title(title or f"{res.run_label}: {label}, top-1 token per cell", fontsize=10)
     # Robust limits (percentiles, `Metric.range`): the bar's ends say cells lie beyond them.
-    robust = definition.scale(grid)["robust"]
+    robust = definition.scale(grid)["robust"] or vmin is not None or vmax is not None
     ax.figure.colorbar(
         image, ax=ax, label=label, fraction=0.04, extend="both" if robust else "neither"
     )

@@ -833,6 +833,20 @@ def test_sweep_button_draws_the_map_with_progress(comparing, tiny2):
 
 
 @pytest.mark.engine
+def test_click_to_patch_equals_the_drop(comparing):
+    comparing.run()
+    panel = comparing.compare_panel
+    assert panel.patch_button.disabled  # nothing selected to patch yet
+    panel.source.selected = [2, 3]
+    assert not panel.patch_button.disabled
+    panel.patch_button.click()  # no column picked in the first heatmap: the same position
+    assert comparing.patch == ek.Patch(OTHER, 2, source_position=3, target_position=3)
+    comparing.heatmap.selected = [0, 5]
+    panel.patch_button.click()
+    assert comparing.patch == ek.Patch(OTHER, 2, source_position=3, target_position=5)
+
+
+@pytest.mark.engine
 def test_the_export_of_a_patched_run_says_so_and_carries_every_panel(comparing, tmp_path):
     comparing.run()
     comparing.heatmap.set_state({"drop": {"source": [2, 3], "target": [3, 3]}})

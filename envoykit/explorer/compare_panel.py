@@ -25,9 +25,10 @@ from envoykit.results.lens import LensResult
 
 # What a drop does, said where the cells are dragged from.
 DRAG_HINT = (
-    "drag a cell onto the first prompt's heatmap to patch it in: the patch copies this "
-    "cell's row (its layer and site) at this position into the same row at the position "
-    "you drop on; the row you drop on does not matter, only its column"
+    "drag a cell onto the first prompt's heatmap to patch it in, or click it and press "
+    "Patch it in (the first heatmap's selected column, else the same position): the patch "
+    "copies this cell's row (its layer and site) at this position into the same row at the "
+    "position you drop on; the row you drop on does not matter, only its column"
 )
 
 
@@ -95,11 +96,24 @@ class ComparePanel(widgets.VBox):
         self.source_header = widgets.HTML()
         self.source = Heatmap(drag_role="source", drag_group=group)
         self.source.add_class("ek-source-heatmap")
+        # Click-to-patch, for a first heatmap scrolled out of reach of a drag.
+        self.patch_button = widgets.Button(
+            description="Patch it in",
+            icon="arrow-up",
+            disabled=True,
+            tooltip="patch the cell selected here into the first prompt's run",
+        )
+        self.source.observe(
+            lambda change: setattr(self.patch_button, "disabled", change["new"] is None),
+            "selected",
+        )
         self.diff_header = widgets.HTML()
         self.diff = Heatmap(metric="js")
         self.diff.add_class("ek-diff-heatmap")
         self.result: CompareResult | None = None
-        super().__init__([self.source_header, self.source, self.diff_header, self.diff])
+        super().__init__(
+            [self.source_header, self.source, self.patch_button, self.diff_header, self.diff]
+        )
         self.add_class("ek-compare")
 
     def show_source(self, res: LensResult) -> None:

@@ -141,6 +141,7 @@ class LensExplorer(ExplorerLayout):
         self.compare.observe(self._on_compare, "value")
         self.run_button.on_click(lambda _: self.run())
         self.sweep_panel.button.on_click(lambda _: self.sweep_panel.start(self.run_sweep))
+        self.compare_panel.patch_button.on_click(lambda _: self._patch_selected())
 
         self.steering_panel = None if readonly else self._add_steering_panel()
         self._on_compare()
@@ -506,6 +507,27 @@ class LensExplorer(ExplorerLayout):
         if drop is not None:
             self.heatmap.drop = None  # an event: the same drop made again is seen again
             self.patch_cell(drop["source"], drop["target"])
+
+    def _patch_selected(self) -> LensResult | None:
+        """Patch the second heatmap's selected cell in: at the first heatmap's selected
+        column, else at the same position of the first prompt (what a drop there does)."""
+        source = self.compare_panel.source.selected
+        if source is None or self.result is None or self.other_result is None:
+            self._say("click a cell of the second prompt's heatmap first", True)
+            return None
+        target = self.heatmap.selected
+        if target is None:
+            position = int(self.other_result.positions[source[1]])
+            columns = self.result.positions.tolist()
+            if position not in columns:
+                self._say(
+                    f"the first prompt has no position {position}: click the column of the "
+                    "first heatmap to patch into",
+                    True,
+                )
+                return None
+            target = [0, columns.index(position)]
+        return self.patch_cell(source, target)
 
     def _on_other_pinned(self, change: dict[str, Any]) -> None:
         """A token pinned in the second heatmap or the diff is pinned in the first."""

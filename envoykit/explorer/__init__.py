@@ -8,9 +8,10 @@ together), `attribution_panel` (the direct logit attribution at the selected cel
 `attention_panel` (what the selected cell's position attends to, per layer and head),
 `compare_panel` (a second prompt's heatmap to drag cells from, the diff, and which patch a
 drop means), `sweep_panel` (a patch sweep with a progress bar), `steering_panel` (a direction
-from two prompt lists, the plain and steered continuations, their diff), `outputs` (figures
-and messages as plain ipywidgets show them), `export` (figures, JSON and the standalone page)
-and `assets` (the browser modules in ``widgets/``, read once). The browser side is
+from two prompt lists, the plain and steered continuations, their diff), `work` (a button's
+work on a thread of its own), `outputs` (figures and messages as plain ipywidgets show them),
+`export` (figures, JSON and the standalone page) and `assets` (the browser modules in
+``widgets/``, read once). The browser side is
 framework-free anywidget modules, no build step; state crosses between kernel and browser only
 through named traitlets, so every interaction can be driven and checked from Python.
 """

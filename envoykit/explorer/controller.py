@@ -60,6 +60,7 @@ from envoykit.explorer.outputs import (
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
 from envoykit.explorer.steering_panel import SteeringPanel
 from envoykit.explorer.views import LayerPicker
+from envoykit.explorer.work import Background
 from envoykit.model.families import sites_of
 from envoykit.results.attribution import AttributionResult
 from envoykit.results.compare import CompareResult
@@ -139,7 +140,9 @@ class LensExplorer(ExplorerLayout):
         for view in (self.compare_panel.source, self.compare_panel.diff):
             view.observe(self._on_other_pinned, "pinned")
         self.compare.observe(self._on_compare, "value")
-        self.run_button.on_click(lambda _: self.run())
+        # The Run button's lens on a thread of its own: the notebook stays usable meanwhile.
+        self.work = Background("envoykit-lens", lambda why: self._refused(f"the run failed: {why}"))
+        self.run_button.on_click(lambda _: self.work.start(self.run))
         self.sweep_panel.button.on_click(lambda _: self.sweep_panel.start(self.run_sweep))
         self.compare_panel.patch_button.on_click(lambda _: self._patch_selected())
 

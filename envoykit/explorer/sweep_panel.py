@@ -29,6 +29,7 @@ import numpy as np
 
 from envoykit import plot
 from envoykit.explorer.outputs import ENGINE_ERRORS, figure_output, message_html
+from envoykit.explorer.work import Background
 from envoykit.results.sweep import SweepResult
 
 TITLE = "Patch sweep"
@@ -66,7 +67,9 @@ class SweepPanel(widgets.VBox):
         )
         self.cancel_button.on_click(lambda _: self._cancel.set())
         self._cancel = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.work = Background(
+            "envoykit-sweep", lambda why: self.say(f"the sweep failed: {why}", error=True)
+        )
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="layers", layout=widgets.Layout(width="320px")
         )
@@ -80,25 +83,15 @@ class SweepPanel(widgets.VBox):
         self.add_class("ek-sweep")
 
     def start(self, sweep: Callable[[], Any]) -> None:
-        """Run ``sweep`` (a call of `run`) on a thread of its own: the kernel stays free to
-        hear Cancel and to run cells. An error it did not expect is shown, not lost."""
-
-        def work() -> None:
-            try:
-                sweep()
-            except Exception as err:  # a thread's error reaches no cell: show it here
-                self.say(f"the sweep failed: {type(err).__name__}: {err}", error=True)
-
+        """Run ``sweep`` (a call of `run`) on a thread of its own (`Background`): the kernel
+        stays free to hear Cancel and to run cells."""
         self._cancel.clear()
         self.button.disabled = True  # until `run` is done: one sweep at a time
-        self._thread = threading.Thread(target=work, name="envoykit-sweep", daemon=True)
-        self._thread.start()
+        self.work.start(sweep)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a sweep `start` began; whether it has finished."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return self._thread is None or not self._thread.is_alive()
+        return self.work.wait(timeout)
 
     def run(
         self, engine: Any, source: str, target: str, *, layers: Sequence[int], target_token: int

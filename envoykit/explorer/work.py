@@ -1,0 +1,48 @@
+"""`Background`: a button's work on a thread of its own, so the kernel stays free.
+
+A widget callback runs on the kernel's main thread: while it runs, the notebook can run no
+cell and the kernel hears no other click (a Cancel pressed during a sweep would wait for the
+sweep). A button that starts long work hands it to a `Background` instead. The work is
+serialised with every other request by the engine's own guard, so a cell that uses the
+engine meanwhile waits for the trace in flight; an error the work did not expect reaches no
+cell, so it is shown where the work reports.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class Background:
+    """One piece of work at a time, on a daemon thread named ``name``."""
+
+    def __init__(self, name: str, on_error: Callable[[str], None]) -> None:
+        self._name, self._on_error = name, on_error
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, work: Callable[[], Any]) -> bool:
+        """Run ``work`` on the thread; False (and nothing started) while the last runs."""
+        if self.busy:
+            return False
+
+        def run() -> None:
+            try:
+                work()
+            except Exception as err:  # a thread's error reaches no cell: say it
+                self._on_error(f"{type(err).__name__}: {err}")
+
+        self._thread = threading.Thread(target=run, name=self._name, daemon=True)
+        self._thread.start()
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the work started last; whether it has finished."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.busy

@@ -410,6 +410,14 @@ def _children(pid: int) -> list[psutil.Process]:
     return process.children(recursive=True) if process else []
 
 
+def dark_theme(page: Any) -> None:
+    """Switch JupyterLab to its dark theme, as a person does from the Settings menu."""
+    page.evaluate(
+        "() => window.jupyterapp.commands.execute("
+        "'apputils:change-theme', {theme: 'JupyterLab Dark'})"
+    )
+
+
 def open_and_run(page: Any, lab: Lab, notebook: str, command: str) -> None:
     """Open a notebook once its kernel is up, make the last cell active and run ``command``
     (``notebook:run-all-cells``, ``notebook:run-all-above``)."""
@@ -485,10 +493,7 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
 
         heatmap = page.locator(MAIN)
         assert heatmap.evaluate(CANVAS_BACKGROUND) > 0.9
-        page.evaluate(
-            "() => window.jupyterapp.commands.execute("
-            "'apputils:change-theme', {theme: 'JupyterLab Dark'})"
-        )
+        dark_theme(page)
         page.wait_for_function(
             f"() => ({CANVAS_BACKGROUND})(document.querySelector('{MAIN}')) < 0.1",
             timeout=30000,
@@ -571,10 +576,7 @@ def test_attention_view_in_jupyterlab(browser, tmp_path):
         assert page.locator(f"{view} img, {view} b").count() == 0
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator(view).screenshot(path=str(ARTIFACTS / "attention_view.png"))
-        page.evaluate(
-            "() => window.jupyterapp.commands.execute("
-            "'apputils:change-theme', {theme: 'JupyterLab Dark'})"
-        )
+        dark_theme(page)
         page.wait_for_function(
             "sel => { const c = getComputedStyle(document.querySelector(sel)).backgroundColor;"
             " const [r, g, b] = c.match(/\\d+/g).map(Number); return r + g + b < 150; }",
@@ -644,10 +646,7 @@ def test_steering_panel_in_jupyterlab(browser, tmp_path):
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator(view).screenshot(path=str(ARTIFACTS / "steering_panel.png"))
 
-        page.evaluate(
-            "() => window.jupyterapp.commands.execute("
-            "'apputils:change-theme', {theme: 'JupyterLab Dark'})"
-        )
+        dark_theme(page)
         page.wait_for_function(
             f"() => ({CANVAS_BACKGROUND})("
             f"document.querySelector('{view} .ek-steer-diff .ek-heatmap')) < 0.1",

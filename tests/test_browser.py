@@ -770,7 +770,7 @@ def compare_and_drag_to_patch(page: Any, state: Callable[[], dict], run_button: 
     second prompt's cell (row "2", the first position where the prompts differ) onto the
     first prompt's heatmap, on another row of that column: the kernel patches layer 2 there
     and the first heatmap is redrawn."""
-    page.locator(".widget-checkbox input").check()
+    page.get_by_role("checkbox", name="compare with a second prompt").check()
     page.locator(".widget-textarea textarea").nth(1).fill(OTHER)
     run_button.click()
     compared = wait_for(

@@ -149,8 +149,8 @@ class ExplorerLayout(widgets.VBox):
             widgets.HBox([prompts, controls]),
             self.message,
             self.picker,
-            self.patch_note,
             self.pins,
+            self.patch_note,  # right above the heatmap it is about
             self.heatmap,
             self.compare_box,
             self.trajectory,

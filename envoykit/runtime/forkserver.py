@@ -21,9 +21,7 @@ A forked core starts with the fork server's state, so it takes over what the own
 have handed a spawned core (`_EngineCore.run`): the owner's environment as the engine was
 started, vLLM's logging config for this engine (vLLM reads it when it is imported), the
 signal at its parent's death against the fork server, and a collection before it exits
-(a forked process leaves with ``os._exit``; see `envoykit.runtime.lifeline`). It also leads a
-process group of its own, which its ranks join: a Ctrl-C in the owner's terminal is the
-owner's to handle.
+(a forked process leaves with ``os._exit``; see `envoykit.runtime.lifeline`).
 """
 
 from __future__ import annotations
@@ -147,11 +145,6 @@ class _EngineCore(multiprocessing.context.ForkServerProcess):
         os.close(forkserver._forkserver._forkserver_alive_fd)
         forkserver._forkserver._forkserver_alive_fd = None
         lifeline.die_with_parent(parent=self._server)
-        # Out of the terminal's process group: a Ctrl-C there reaches the owner, which
-        # stops the core and its ranks in order. Reached by it too, core and ranks would
-        # each shut down at once, unlinking shared memory the others still hold (their
-        # ``__del__`` then prints tracebacks, and the resource tracker warns of leaks).
-        os.setpgid(0, 0)
         try:
             super().run()
         finally:

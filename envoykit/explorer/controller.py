@@ -294,8 +294,13 @@ class LensExplorer(ExplorerLayout):
         """``(title, figure)`` of every panel under the heatmap that shows a figure now."""
         panels = []
         if self.comparison is not None:
-            figure = plot.compare(self.comparison)
-            panels.append((f"diff: {self.comparison.a} → {self.comparison.b}", figure))
+            from matplotlib.figure import Figure
+
+            # A bare Figure, never pyplot's: the notebook would show that one under the cell.
+            n_layers, n_pos = self.comparison.js.shape
+            ax = Figure(figsize=(min(3 + 0.9 * n_pos, 14), min(2 + 0.3 * n_layers, 10))).subplots()
+            plot.compare(self.comparison, ax=ax)
+            panels.append((f"diff: {self.comparison.a} → {self.comparison.b}", ax.figure))
         for title, figure in (
             ("trajectory", self.trajectory_figure),
             ("direct logit attribution", self.attribution_figure),

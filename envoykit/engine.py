@@ -343,7 +343,7 @@ class Engine(EngineLifetime, EngineSurface):
             model.clear_steer_edits()
             with model.edit(name=name) as (tracer, _):
                 steer_in_trace(model, readout, additions, tracer)
-        return self.model.trace(*prompts, edits=[name], **kwargs)
+        return model.trace(*prompts, edits=[name], **kwargs)
 
     def _greedy(self, prompt: str, max_tokens: int) -> Any:
         from vllm import SamplingParams

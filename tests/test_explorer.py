@@ -860,6 +860,14 @@ def test_the_export_of_a_patched_run_says_so_and_carries_every_panel(comparing, 
 
 
 @pytest.mark.engine
+def test_a_sweep_refused_before_it_starts_gives_the_button_back(explorer):
+    explorer.sweep_panel.button.click()  # no compare run yet
+    assert explorer.sweep_panel.wait(60)
+    assert "Run in compare mode first" in explorer.sweep_panel.header.value
+    assert not explorer.sweep_panel.button.disabled
+
+
+@pytest.mark.engine
 def test_cancel_stops_the_sweep_and_leaves_the_engine_usable(comparing, tiny2):
     comparing.run()
     panel = comparing.sweep_panel

@@ -9,13 +9,14 @@ the ranks stay alike with no exchange at all.
 
 `mean_difference` builds a vector the usual way (ActAdd, CAA): the mean of the stream at one
 position over a list of positive prompts minus the mean over negative ones, many prompts per
-trace; each prompt sends back its ``d_model`` numbers and nothing else. `generated_ids` and
-`sweep` run steered greedy generations, one invoke per run, so a sweep of strengths is one
-trace whose runs share every step.
+trace; each prompt sends back its ``d_model`` numbers and nothing else. `generated_ids` runs
+steered greedy generations, one invoke per run, so a sweep of strengths
+(`Engine.steer_sweep`) is one trace whose runs share every step.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -208,15 +209,20 @@ def stop_ids(tokenizer: Any) -> set[int]:
     """Token ids plain generation stops at: the tokenizer's end of sequence and the
     checkpoint's generation config's (vLLM stops at both)."""
     ids = {tokenizer.eos_token_id} - {None}
-    try:
-        from transformers import GenerationConfig
+    return {int(i) for i in ids | _config_eos(tokenizer.name_or_path)}
 
-        config = GenerationConfig.from_pretrained(tokenizer.name_or_path)
-        eos = config.eos_token_id
-        ids |= set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+@functools.cache
+def _config_eos(checkpoint: str) -> frozenset[int]:
+    """The end-of-sequence ids of ``checkpoint``'s generation config (read once per
+    checkpoint, not at every generation); none when it has no config."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(checkpoint).eos_token_id
     except (OSError, ValueError):
-        pass
-    return {int(i) for i in ids}
+        return frozenset()
+    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
 
 
 def until_stop(ids: Sequence[int], stops: set[int]) -> list[int]:
@@ -250,7 +256,9 @@ def generated_ids(
     from envoykit.analyses.lens import lens_statistics
 
     layer_list = at(model, readout.layers)
-    reads = {} if lens is None else {layer: {"resid"} for layer in lens[0]}
+    layers, targets, position = lens if lens is not None else ((), (), 0)
+    reads = {layer: {"resid"} for layer in layers}
+    where = torch.tensor([position])
     norm, head = at(model, readout.final_norm), at(model, readout.unembedding)
     with guard(), model.trace(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) as tracer:
         for additions in runs:
@@ -261,8 +269,6 @@ def generated_ids(
                     here = writes_by_layer(at_step(additions, step))
                     streams = walk(readout, layer_list, reads if step == 0 else {}, here)
                     if step == 0 and lens is not None:
-                        _, targets, position = lens
-                        where = torch.tensor([position])
                         found = lens_statistics(
                             norm, head.vocab_shard(), streams, where, 1, targets
                         )

@@ -467,8 +467,9 @@ class EngineSurface:
         number = steering.check_site(layer, site, info.n_layers)
         self.readout.require("steering vectors")
         self._require_sites([site])
+        lengths = [len(self.tokenizer(p)["input_ids"]) for p in (*positive, *negative)]
         if position is not None:
-            shortest = min(len(self.tokenizer(p)["input_ids"]) for p in (*positive, *negative))
+            shortest = min(lengths)
             if (
                 isinstance(position, bool)
                 or not isinstance(position, int)
@@ -478,9 +479,8 @@ class EngineSurface:
                     f"position {position!r} is not a token position of every prompt (the "
                     f"shortest has {shortest} tokens); position=None takes each prompt's mean"
                 )
-        for text in (*positive, *negative):
-            if len(self.tokenizer(text)["input_ids"]) > info.max_model_len:
-                raise InvalidRequest(f"a prompt exceeds max_model_len={info.max_model_len}")
+        if max(lengths) > info.max_model_len:
+            raise InvalidRequest(f"a prompt exceeds max_model_len={info.max_model_len}")
         plus, minus = steering.mean_difference(
             self.model,
             self.readout,
@@ -538,9 +538,8 @@ class EngineSurface:
             request.single_token_target(self.tokenizer, info.vocab, t)
             for t in request.as_list(targets)
         ]
+        self._steers(steer)  # the scales differ, nothing else: one check for every run
         runs = [[steer.scaled(scale)] for scale in scales]
-        for run in runs:
-            self._steers(run)
         ids, stats, meta = [], [], {}
         with tqdm(total=len(runs), desc="steer sweep", unit="scale", disable=not progress) as bar:
             for start in range(0, len(runs), batch):

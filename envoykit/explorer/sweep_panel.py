@@ -86,8 +86,15 @@ class SweepPanel(widgets.VBox):
         """Run ``sweep`` (a call of `run`) on a thread of its own (`Background`): the kernel
         stays free to hear Cancel and to run cells."""
         self._cancel.clear()
-        self.button.disabled = True  # until `run` is done: one sweep at a time
-        self.work.start(sweep)
+        self.button.disabled = True  # until the sweep is done: one at a time
+
+        def work() -> None:
+            try:
+                sweep()
+            finally:  # also when it was refused before `run` began
+                self.button.disabled = False
+
+        self.work.start(work)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a sweep `start` began; whether it has finished."""

@@ -6,6 +6,7 @@ and return whole tensors; a logit lens runs on the ranks and ships back only wha
 
 from envoykit import plot
 from envoykit.analyses.compare import Run, compare
+from envoykit.analyses.corpus import shipped_corpus
 from envoykit.analyses.patching import Ablate, Patch
 from envoykit.analyses.steering import Steer
 from envoykit.analyses.tuned import LensQuality, TunedLens
@@ -17,9 +18,11 @@ from envoykit.errors import (
     ServerUnavailable,
     ShardedValue,
 )
+from envoykit.results.activations import Activations, StoreWriteError
 from envoykit.results.attention import AttentionResult
 from envoykit.results.attribution import AttributionResult
 from envoykit.results.compare import CompareResult
+from envoykit.results.corpus import CorpusLensResult
 from envoykit.results.lens import LensResult, TargetTrace
 from envoykit.results.steering import Generation, SteeringVector, SteerSweepResult
 from envoykit.results.sweep import SweepResult
@@ -27,9 +30,11 @@ from envoykit.runtime.info import ModelInfo
 
 __all__ = [
     "Ablate",
+    "Activations",
     "AttentionResult",
     "AttributionResult",
     "CompareResult",
+    "CorpusLensResult",
     "Engine",
     "EngineDead",
     "EnvoykitError",
@@ -46,12 +51,14 @@ __all__ = [
     "Steer",
     "SteerSweepResult",
     "SteeringVector",
+    "StoreWriteError",
     "SweepResult",
     "TargetTrace",
     "TunedLens",
     "compare",
     "connect",
     "plot",
+    "shipped_corpus",
 ]
 __version__ = "0.1.0"
 

@@ -20,10 +20,10 @@ def load(path: str):
 
 
 @torch.no_grad()
-def lens_logits(path: str, prompt: str) -> tuple[torch.Tensor, list[int]]:
-    """``[n_layers + 1, positions, vocab]`` logits (row 0 = embedding) and the prompt's ids."""
-    model, tokenizer = load(path)
-    ids = tokenizer(prompt)["input_ids"]
+def residual_streams(path: str, ids: list[int]) -> torch.Tensor:
+    """``[n_layers + 1, positions, d_model]`` the residual stream of token ``ids`` before the
+    first layer (row 0) and after each layer, before the final norm."""
+    model, _ = load(path)
     layers = model.model.layers
     streams: list[torch.Tensor] = []
 
@@ -40,12 +40,26 @@ def lens_logits(path: str, prompt: str) -> tuple[torch.Tensor, list[int]]:
     finally:
         for handle in handles:
             handle.remove()
-    hidden = torch.stack([s[0] for s in streams])
+    return torch.stack([s[0] for s in streams])
+
+
+@torch.no_grad()
+def lens_logits(path: str, prompt: str) -> tuple[torch.Tensor, list[int]]:
+    """``[n_layers + 1, positions, vocab]`` logits (row 0 = embedding) and the prompt's ids."""
+    _, tokenizer = load(path)
+    ids = tokenizer(prompt)["input_ids"]
+    return stream_logits(path, residual_streams(path, ids)), ids
+
+
+@torch.no_grad()
+def stream_logits(path: str, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's own final norm, unembedding and logit soft-cap (if any) on ``hidden``."""
+    model, _ = load(path)
     logits = model.lm_head(model.model.norm(hidden))
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
-    return logits.float(), ids
+    return logits.float()
 
 
 @torch.no_grad()

@@ -58,7 +58,7 @@ def build_request(
     reduce_dtype: str = "float32",
 ) -> LensRequest:
     prompts = normalise_prompts(prompt)
-    generate = _count("generate", generate, minimum=0)
+    generate = check_count("generate", generate, minimum=0)
     prompt_ids = tuple(tuple(tokenizer(p)["input_ids"]) for p in prompts)
     for text, ids in zip(prompts, prompt_ids):
         if not ids:
@@ -69,7 +69,7 @@ def build_request(
                 f"max_model_len={max_model_len}: shorten the prompt or start the Engine with a "
                 "larger max_model_len"
             )
-    top_k = _count("top_k", top_k, minimum=1)
+    top_k = check_count("top_k", top_k, minimum=1)
     if top_k > vocab:
         raise InvalidRequest(f"top_k={top_k} exceeds the vocabulary size ({vocab})")
     if reduce_dtype not in REDUCE_DTYPES:
@@ -130,7 +130,7 @@ def normalise_prompts(prompt: Any) -> tuple[str, ...]:
     return tuple(prompts)
 
 
-def _count(name: str, value: Any, minimum: int) -> int:
+def check_count(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidRequest(f"{name} must be an integer >= {minimum}, not {value!r}")
     return value

@@ -29,9 +29,11 @@ if TYPE_CHECKING:
     from envoykit.analyses.patching import Ablate, Patch
     from envoykit.analyses.steering import Steer
     from envoykit.analyses.tuned import TunedLens
+    from envoykit.results.activations import Activations
     from envoykit.results.attention import AttentionResult
     from envoykit.results.attribution import AttributionResult
     from envoykit.results.compare import CompareResult
+    from envoykit.results.corpus import CorpusLensResult
     from envoykit.results.steering import Generation, SteeringVector, SteerSweepResult
     from envoykit.results.sweep import SweepResult
     from envoykit.runtime.info import ModelInfo
@@ -565,6 +567,149 @@ class EngineSurface:
             meta=meta,
         )
 
+    def collect(
+        self,
+        texts: Any,
+        *,
+        out: str,
+        layers: Any = None,
+        sites: str | Sequence[str] = ("resid",),
+        positions: Any = None,
+        dtype: str = "bfloat16",
+        max_length: int | None = None,
+        batch_tokens: int = 4096,
+        progress: bool = True,
+    ) -> Activations:
+        """Save the whole activations of a corpus to the store ``out`` (a directory; see
+        `envoykit.results.activations`), many documents per trace, with a progress bar in
+        tokens/s; returns the store as `Activations`.
+
+        ``texts``: a list or any iterable of strings (read lazily, so memory holds one
+        batch whatever the corpus's size). ``layers``/``sites``: as in `lens`, one stored row
+        each: the residual stream whole ("resid", "resid_mid", summed as the model adds it)
+        or what a block writes ("attn", "mlp"). ``positions``: None (every token) or
+        positions counted in each piece (negative from its end); a piece without one skips
+        it. ``dtype``: what is stored ("bfloat16", "float16" or "float32"). A document
+        longer than ``max_length`` (default: the engine's context) is cut into consecutive
+        pieces, each its own context; ``position`` stays counted from the document's start.
+        ``batch_tokens``: about how many tokens one trace prefills, and one shard holds
+        (whole documents; memory holds one batch).
+
+        Resumable: run it again with the same arguments after an interrupt or a killed
+        kernel, and it continues after the last whole shard. A store of another model,
+        corpus or settings at ``out`` is refused and left as it is. ``progress``: a tqdm bar
+        in tokens/s (True), none (False), or your own bar (`corpus.progress_bar`).
+        """
+        from envoykit.analyses import collect, corpus, request
+        from envoykit.results.activations import Activations, StoreWriter, as_rows
+
+        info = self.info
+        self.readout.require("collect")
+        rows = request.lens_rows(
+            request.normalise_layers(layers, info.n_layers), request.normalise_sites(sites)
+        )
+        self._require_sites([site for _, site in rows])
+        if dtype not in collect.STORE_DTYPES:
+            raise InvalidRequest(f"dtype must be one of {collect.STORE_DTYPES}, not {dtype!r}")
+        picked = None if positions is None else _corpus_positions(positions)
+        length = corpus.check_max_length(max_length, info.max_model_len)
+        batch = request.check_count("batch_tokens", batch_tokens, minimum=1)
+        documents = corpus.documents(texts)
+        settings = {
+            "model": self.fingerprint(),
+            "rows": as_rows(rows),
+            "positions": picked,
+            "dtype": dtype,
+            "max_length": length,
+        }
+        writer = StoreWriter.open(out, settings)
+        with corpus.progress_bar(progress, "collect") as bar:
+            collect.run(
+                self.model,
+                self.readout,
+                self.tokenizer,
+                documents,
+                writer,
+                rows,
+                picked,
+                dtype,
+                length,
+                batch,
+                self.exclusive,
+                bar,
+            )
+        return Activations.open(out)
+
+    def lens_corpus(
+        self,
+        texts: Any,
+        *,
+        layers: Any = None,
+        top_k: int = 1,
+        translator: TunedLens | None = None,
+        max_length: int | None = None,
+        batch_tokens: int = 4096,
+        confidence: float = 0.95,
+        n_boot: int = 1000,
+        seed: int = 0,
+        progress: bool = True,
+    ) -> CorpusLensResult:
+        """The logit lens over a corpus: per layer, mean KL(final ‖ layer), mean entropy,
+        top-k agreement with the final layer and top-k accuracy against the actual next
+        token, with bootstrap intervals over documents (`CorpusLensResult`). Many documents
+        per trace; only four sums per layer and document come back from the ranks.
+
+        ``texts``, ``max_length``, ``batch_tokens``: as in `collect`. ``layers``: as in `lens`.
+        ``translator``: a `TunedLens` of this model (the tuned lens's statistics).
+        ``progress``: as in `collect`.
+        """
+        from envoykit.analyses import corpus, corpus_lens, request
+        from envoykit.results.corpus import CorpusLensResult
+
+        info = self.info
+        self.readout.require("the lens")
+        picked = request.normalise_layers(layers, info.n_layers)
+        top_k = request.check_count("top_k", top_k, minimum=1)
+        if top_k > info.vocab:
+            raise InvalidRequest(f"top_k={top_k} exceeds the vocabulary size ({info.vocab})")
+        if not 0 < confidence < 1 or isinstance(n_boot, bool) or not isinstance(n_boot, int):
+            raise InvalidRequest("confidence lies in (0, 1) and n_boot is an integer >= 1")
+        length = corpus.check_max_length(max_length, info.max_model_len)
+        batch = request.check_count("batch_tokens", batch_tokens, minimum=1)
+        documents = corpus.documents(texts)
+        meta = self._result_meta()
+        meta.pop("vocab")
+        key = None
+        if translator is not None:
+            key = self._install_translator(translator)
+            meta.update(lens="tuned", translator=key)
+        with corpus.progress_bar(progress, "corpus lens") as bar:
+            sums, counts = corpus_lens.run(
+                self.model,
+                self.readout,
+                self.tokenizer,
+                documents,
+                picked,
+                top_k,
+                key,
+                length,
+                batch,
+                self.exclusive,
+                bar,
+            )
+        if not len(counts):
+            raise InvalidRequest("the corpus tokenizes to no tokens: its documents are all empty")
+        return CorpusLensResult(
+            layers=picked,
+            top_k=top_k,
+            document_sums=sums,
+            document_counts=counts,
+            confidence=confidence,
+            n_boot=n_boot,
+            seed=seed,
+            meta={"lens": "logit", **meta},
+        )
+
     def _require_sites(self, sites: Sequence[str]) -> None:
         """Refuse what this model's layers cannot give, or what the self-check disabled."""
         self.readout.require_sites(sites)
@@ -582,6 +727,19 @@ class EngineSurface:
         from envoykit.model.envoys import whole_locations
 
         return whole_locations(self.model._module)
+
+
+def _corpus_positions(positions: Any) -> list[int]:
+    """Positions of a corpus request: integers counted in each piece (negative from its
+    end), checked here since pieces differ in length."""
+    from envoykit.analyses.request import as_list
+
+    picked = as_list(list(positions) if isinstance(positions, range) else positions)
+    if not picked or any(isinstance(p, bool) or not isinstance(p, int) for p in picked):
+        raise InvalidRequest(
+            f"positions are integers (negative from each document's end), not {positions!r}"
+        )
+    return sorted(set(picked))
 
 
 def refuse_with_compare(names: Sequence[str]) -> None:

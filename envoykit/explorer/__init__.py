@@ -2,18 +2,19 @@
 
 One module per job: `views` (the anywidget classes `Heatmap` and `LayerPicker`), `payload`
 (what they receive, shaped as JSON: a lens, or the diff of two runs), `rows` (the picker's
-selection as lens rows, and how one lens covers them), `layout` (the explorer's widgets, built
-and arranged), `controller` (`LensExplorer`, which ties inputs, views and the engine
+selection as lens rows, and how one lens covers them), `layout` (the explorer's widgets,
+built and arranged), `controller` (`LensExplorer`, which ties inputs, views and the engine
 together), `attribution_panel` (the direct logit attribution at the selected cell),
 `attention_panel` (what the selected cell's position attends to, per layer and head),
 `compare_panel` (a second prompt's heatmap to drag cells from, the diff, and which patch a
-drop means), `sweep_panel` (a patch sweep with a progress bar), `steering_panel` (a direction
-from two prompt lists, the plain and steered continuations, their diff), `work` (a button's
-work on a thread of its own), `outputs` (figures and messages as plain ipywidgets show them),
-`export` (figures, JSON and the standalone page) and `assets` (the browser modules in
-``widgets/``, read once). The browser side is
-framework-free anywidget modules, no build step; state crosses between kernel and browser only
-through named traitlets, so every interaction can be driven and checked from Python.
+drop means), `corpus_panel` (the lens over many documents, summarised per layer),
+`sweep_panel` (a patch sweep with a progress bar), `steering_panel` (a direction from two
+prompt lists, the plain and steered continuations, their diff), `work` (a button's work on a
+thread of its own), `outputs` (figures and messages as plain ipywidgets show them), `export`
+(figures, JSON and the standalone page) and `assets` (the browser modules in ``widgets/``,
+read once). The browser side is framework-free anywidget modules, no build step; state
+crosses between kernel and browser only through named traitlets, so every interaction can be
+driven and checked from Python.
 """
 
 from envoykit.explorer.assets import widgets_dir
@@ -21,6 +22,7 @@ from envoykit.explorer.attention_panel import AttentionPanel
 from envoykit.explorer.attribution_panel import AttributionPanel
 from envoykit.explorer.compare_panel import ComparePanel
 from envoykit.explorer.controller import LensExplorer
+from envoykit.explorer.corpus_panel import CorpusPanel
 from envoykit.explorer.export import standalone_html
 from envoykit.explorer.payload import compare_data, heatmap_data, picker_layers, result_layers
 from envoykit.explorer.steering_panel import SteeringPanel
@@ -32,6 +34,7 @@ __all__ = [
     "AttentionView",
     "AttributionPanel",
     "ComparePanel",
+    "CorpusPanel",
     "Heatmap",
     "LayerPicker",
     "LensExplorer",

@@ -48,6 +48,7 @@ from envoykit.explorer.compare_panel import (
     drop_patch,
     patched_cell,
 )
+from envoykit.explorer.corpus_panel import CorpusPanel
 from envoykit.explorer.layout import ExplorerLayout, typed_targets
 from envoykit.explorer.outputs import (
     ENGINE_ERRORS,
@@ -147,6 +148,7 @@ class LensExplorer(ExplorerLayout):
         self.compare_panel.patch_button.on_click(lambda _: self._patch_selected())
 
         self.steering_panel = None if readonly else self._add_steering_panel()
+        self.corpus_panel = None if readonly else self._add_corpus_panel()
         self._on_compare()
         self._on_targets()
         if metric in self._metric_keys():
@@ -197,6 +199,13 @@ class LensExplorer(ExplorerLayout):
         self.children = (*self.children, panel)
         return panel
 
+    def _add_corpus_panel(self) -> CorpusPanel:
+        """The corpus lens under the other views: this engine's lens over many documents,
+        the tuned lens beside it once one is offered."""
+        panel = CorpusPanel(self.engine, translator=self.translator)
+        self.children = (*self.children, panel)
+        return panel
+
     # -- actions ---------------------------------------------------------------------------
 
     def run(self) -> LensResult | None:
@@ -237,6 +246,8 @@ class LensExplorer(ExplorerLayout):
         appears; Run uses the lens it shows)."""
         self.translator = translator
         self.lens_kind.layout.display = None
+        if getattr(self, "corpus_panel", None) is not None:
+            self.corpus_panel.translator = translator
 
     def patch_cell(self, source: Sequence[int], target: Sequence[int]) -> LensResult | None:
         """Patch cell ``source`` of the second prompt's heatmap into the first prompt's run at

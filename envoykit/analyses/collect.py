@@ -1,0 +1,165 @@
+"""Collecting whole activations over a corpus into a store on disk.
+
+Each trace prefills a batch of whole documents (`envoykit.analyses.corpus.batches`, one
+invoke per piece, so vLLM batches them); on the ranks each piece's rows are read where the
+lens reads them (`envoykit.model.readout.walk`: the residual stream whole at every TP size,
+a block's write as it enters the stream), cut to the positions asked for and cast to the
+store's dtype there, so only those bytes travel. The batch becomes one shard
+(`envoykit.results.activations`), written before the next trace starts: memory holds one
+batch whatever the corpus's size. A rerun continues after the last shard written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from envoykit.analyses.corpus import Piece, batches, pieces
+from envoykit.analyses.request import Row
+from envoykit.errors import InvalidRequest
+from envoykit.model.readout import Readout, at, walk
+from envoykit.results.activations import StoreWriter, row_key, text_chain
+from envoykit.results.lens import SITES
+
+STORE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def piece_positions(piece: Piece, positions: Sequence[int] | None) -> list[int]:
+    """The positions of ``piece`` to keep (None: all; negative: from the piece's end); those
+    a short piece does not have are skipped."""
+    n = len(piece.ids)
+    if positions is None:
+        return list(range(n))
+    return sorted({p % n for p in positions if -n <= p < n})
+
+
+def activations(
+    model: Any,
+    readout: Readout,
+    batch: Sequence[Piece],
+    rows: Sequence[Row],
+    keep: Sequence[Sequence[int]],
+    dtype: torch.dtype,
+    guard: Callable[[], AbstractContextManager],
+) -> list[torch.Tensor]:
+    """One trace over ``batch``: per piece ``[rows, len(keep[i]), d_model]`` in ``dtype``."""
+    import nnsight
+
+    order = sorted(rows, key=lambda row: (row[0], SITES.index(row[1])))  # as `walk` reads
+    reads: dict[int, set[str]] = {}
+    for layer, site in order:
+        reads.setdefault(layer, set()).add(site)
+    picked = [order.index(row) for row in rows]
+    layer_list = at(model, readout.layers)
+    with guard(), model.trace(temperature=0.0, max_tokens=1) as tracer:
+        for piece, kept in zip(batch, keep):
+            where = torch.tensor(kept)
+            with tracer.invoke(list(piece.ids)):
+                streams = walk(readout, layer_list, reads, {})
+                # A stream's pair summed, a block's write as it is.
+                values = [v if r is None else v + r for v, r in streams]
+                out = nnsight.save(
+                    torch.stack([values[i][where.to(values[i].device)] for i in picked])
+                    .to(dtype)
+                    .cpu()
+                )
+    return out if len(batch) > 1 else [out]
+
+
+def shard_tensors(
+    batch: Sequence[Piece],
+    keep: Sequence[Sequence[int]],
+    values: Sequence[torch.Tensor],
+    rows: Sequence[Row],
+) -> dict[str, torch.Tensor]:
+    """A batch's activations as a shard's tensors, tokens in corpus order."""
+    tensors = {
+        row_key(layer, site): torch.cat([value[i] for value in values]).contiguous()
+        for i, (layer, site) in enumerate(rows)
+    }
+    kept = [(piece, p) for piece, positions in zip(batch, keep) for p in positions]
+    tensors["token_ids"] = torch.tensor([piece.ids[p] for piece, p in kept], dtype=torch.int64)
+    tensors["document"] = torch.tensor([piece.doc for piece, _ in kept], dtype=torch.int64)
+    tensors["position"] = torch.tensor([piece.start + p for piece, p in kept], dtype=torch.int64)
+    return tensors
+
+
+class ChainedTexts:
+    """A corpus read once, lazily: the documents a store already covers are hashed and
+    skipped (their chain checked against the store's), the others passed on and hashed.
+
+    ``chain_at(n)`` is the chain over the first ``n`` documents, for a shard that ends
+    there: batching reads a document ahead of the shard it writes."""
+
+    def __init__(self, texts: Iterable[str], done: int, chain: str) -> None:
+        self._texts, self._done, self._stored = texts, done, chain
+        self.chain, self.count = "", 0
+        self._links: dict[int, str] = {done: chain}
+
+    def __iter__(self) -> Iterator[str]:
+        for text in self._texts:
+            if not isinstance(text, str):
+                raise InvalidRequest(
+                    f"document {self.count} is a {type(text).__name__}, not a string"
+                )
+            self.chain = text_chain(self.chain, text)
+            self.count += 1
+            if self.count == self._done and self.chain != self._stored:
+                raise InvalidRequest(
+                    f"the store's first {self._done} documents are not this corpus's: give "
+                    "another out directory (the store was left as it is)"
+                )
+            if self.count > self._done:
+                self._links[self.count] = self.chain
+                yield text
+        if self.count < self._done:
+            raise InvalidRequest(
+                f"the store already covers {self._done} documents, more than this corpus's "
+                f"{self.count}: it was collected from another corpus"
+            )
+
+    def chain_at(self, documents: int) -> str:
+        """The chain over the first ``documents`` (links before it are forgotten)."""
+        chain = self._links[documents]
+        for count in [c for c in self._links if c < documents]:
+            del self._links[count]
+        return chain
+
+
+def run(
+    model: Any,
+    readout: Readout,
+    tokenizer: Any,
+    texts: Iterable[str],
+    writer: StoreWriter,
+    rows: Sequence[Row],
+    positions: Sequence[int] | None,
+    dtype: str,
+    max_length: int,
+    batch_tokens: int,
+    guard: Callable[[], AbstractContextManager],
+    progress: Any,
+) -> None:
+    """Collect ``texts`` into ``writer``'s store after the documents it already holds;
+    ``progress`` (a tqdm bar) counts tokens."""
+    done = writer.documents_done
+    corpus = ChainedTexts(texts, done, writer.index["chain"])
+    # The documents the store holds are hashed, not tokenized: numbering starts after them.
+    stream = (
+        Piece(piece.doc + done, piece.start, piece.ids)
+        for piece in pieces(tokenizer, corpus, max_length)
+    )
+    wanted = getattr(torch, dtype)
+    for batch in batches(stream, batch_tokens):
+        keep = [piece_positions(piece, positions) for piece in batch]
+        values = activations(model, readout, batch, rows, keep, wanted, guard)
+        # A batch holds whole documents, so the store then covers all up to its last.
+        end = batch[-1].doc + 1
+        writer.add_shard(shard_tensors(batch, keep, values, rows), end, corpus.chain_at(end))
+        progress.update(sum(len(piece.ids) for piece in batch))
+        progress.set_postfix(documents=end, refresh=False)
+    # Documents with no tokens after the last shard still count as collected.
+    writer.finish(corpus.count, corpus.chain)

@@ -1,0 +1,108 @@
+"""The logit lens over a corpus: per layer, how far its prediction is from the model's own,
+and how good it is, summed on the ranks.
+
+Each trace prefills a batch of documents (`envoykit.analyses.corpus.batches`). On the ranks,
+every piece goes through the lens's own reduction (`envoykit.analyses.lens.lens_statistics`:
+one head GEMM per rank on its vocabulary slice, top-k, entropy and KL to the final layer), and
+then through four sums over its positions, per layer: KL(final ‖ layer), entropy, whether the
+final layer's top-1 is among the layer's top-k, and whether the actual next token is. Only
+those ``4 × layers`` numbers per piece come back. The client adds a document's pieces up;
+`envoykit.results.corpus` turns the per-document sums into means with bootstrap intervals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+import torch
+
+from envoykit.analyses.corpus import Piece, batches, pieces
+from envoykit.analyses.lens import DEFAULT_MEMORY_BUDGET, computed_rows, lens_statistics
+from envoykit.model.readout import Readout, at, walk
+from envoykit.ranks.translators import translated
+
+# What a piece's sums hold, per layer, in this order.
+SUMS = ("kl", "entropy", "agreement", "accuracy")
+
+
+def piece_sums(
+    model: Any,
+    readout: Readout,
+    batch: Sequence[Piece],
+    layers: Sequence[int],
+    top_k: int,
+    translator: str | None,
+    guard: Callable[[], AbstractContextManager],
+    budget: int = DEFAULT_MEMORY_BUDGET,
+) -> list[torch.Tensor]:
+    """One trace over ``batch``: per piece ``[4, len(layers)]`` float64, the `SUMS` over its
+    positions at each of ``layers`` (accuracy over all but its last position, whose next
+    token is not in the piece)."""
+    import nnsight
+
+    rows = computed_rows([(layer, "resid") for layer in layers], readout.n_layers)
+    keep = torch.tensor([rows.index((layer, "resid")) for layer in layers])
+    reads = {layer: {"resid"} for layer, _ in rows}
+    layer_list = at(model, readout.layers)
+    with guard(), model.trace(temperature=0.0, max_tokens=1) as tracer:
+        for piece in batch:
+            following = torch.tensor(piece.ids[1:], dtype=torch.long)
+            with tracer.invoke(list(piece.ids)):
+                # Reached from the root inside the invoke: an envoy shipped to the ranks
+                # without its root has no parent, and the head's slice needs the root.
+                norm = at(model, readout.final_norm)
+                shard = at(model, readout.unembedding).vocab_shard()
+                streams = walk(readout, layer_list, reads, {})
+                if translator is not None:
+                    streams = translated(streams, rows, translator, readout.n_layers)
+                stats = lens_statistics(norm, shard, streams, None, top_k, (), budget=budget)
+                top = stats["top_ids"].long()
+                final = top[-1, :, :1]
+                agree = (top == final.unsqueeze(0)).any(-1).double().sum(1)
+                hits = top[:, :-1, :] == following.to(top.device).view(1, -1, 1)
+                sums = torch.stack(
+                    [
+                        stats["kl"].double().sum(1),
+                        stats["entropy"].double().sum(1),
+                        agree,
+                        hits.any(-1).double().sum(1),
+                    ]
+                )
+                out = nnsight.save(sums[:, keep.to(sums.device)].cpu())
+    return out if len(batch) > 1 else [out]
+
+
+def run(
+    model: Any,
+    readout: Readout,
+    tokenizer: Any,
+    texts: Iterable[str],
+    layers: Sequence[int],
+    top_k: int,
+    translator: str | None,
+    max_length: int,
+    batch_tokens: int,
+    guard: Callable[[], AbstractContextManager],
+    progress: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per document ``[documents, layers, 4]`` the `SUMS` and ``[documents, 2]`` how many
+    positions they are over (all, and those with a next token); ``progress`` counts tokens."""
+    sums: list[np.ndarray] = []
+    counts: list[list[int]] = []
+    for batch in batches(pieces(tokenizer, texts, max_length), batch_tokens):
+        found = piece_sums(model, readout, batch, layers, top_k, translator, guard)
+        for piece, value in zip(batch, found):
+            while len(sums) <= piece.doc:  # a document with no tokens is dropped below
+                sums.append(np.zeros((len(layers), len(SUMS))))
+                counts.append([0, 0])
+            sums[piece.doc] += value.numpy().T
+            counts[piece.doc][0] += len(piece.ids)
+            counts[piece.doc][1] += len(piece.ids) - 1
+        progress.update(sum(len(piece.ids) for piece in batch))
+        progress.set_postfix(documents=batch[-1].doc + 1, refresh=False)
+    found_counts = np.array(counts, dtype=np.int64).reshape(-1, 2)
+    has_tokens = found_counts[:, 0] > 0
+    return np.array(sums).reshape(-1, len(layers), len(SUMS))[has_tokens], found_counts[has_tokens]

@@ -91,7 +91,7 @@ class EngineSurface:
     def _steers(self, steer: Any) -> list[Steer]:
         """``steer`` as a list, each `SteeringVector` in it checked against this model."""
         from envoykit.analyses.steering import as_steers
-        from envoykit.analyses.tuned import check_same_model
+        from envoykit.results.identity import check_same_model
 
         steers = as_steers(steer)
         for item in steers:

@@ -33,6 +33,7 @@ from safetensors.torch import load, load_file, save, save_file
 
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import at, norm_parameters, walk
+from envoykit.results.identity import IDENTITY, check_same_model
 from envoykit.results.tuned import LensQuality
 
 # Head rows hashed to recognise a model (bfloat16-rounded: the same model in float32 and in
@@ -42,7 +43,6 @@ _HEAD_CHUNK = 8192
 _SEQUENCE_TOKENS = 128
 # Optimizer steps between two measurements on the held-out texts.
 _VALIDATE_EVERY = 5
-_IDENTITY = ("name", "n_layers", "d_model", "vocab", "head_hash")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class TunedLens:
         self.quality: LensQuality | None = None
         # The weights and the model they belong to: the same numbers for another model are
         # other translators (and are checked against the engine again).
-        identity = json.dumps({k: self.model.get(k) for k in _IDENTITY}, sort_keys=True)
+        identity = json.dumps({k: self.model.get(k) for k in IDENTITY}, sort_keys=True)
         self.key = hashlib.sha256(self.to_bytes() + identity.encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
@@ -228,7 +228,7 @@ class TunedLens:
 
     @classmethod
     def _from_tensors(cls, tensors: dict[str, torch.Tensor], model: Any) -> TunedLens:
-        if not isinstance(model, dict) or not all(k in model for k in _IDENTITY):
+        if not isinstance(model, dict) or not all(k in model for k in IDENTITY):
             raise InvalidRequest("not a tuned lens saved by envoykit: its model is not named")
         n, d = model["n_layers"], model["d_model"]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, d)):
@@ -301,31 +301,11 @@ class TunedLens:
         )
 
 
-def check_same_model(mine: dict, model: dict, made: str, advice: str) -> None:
-    """`InvalidRequest` naming both models unless ``mine`` (the fingerprint of the model
-    something ``made`` on: "these translators were trained") identifies the same model as
-    ``model`` (a model's `fingerprint`)."""
-    ours = {k: mine.get(k) for k in _IDENTITY if k != "name"}
-    theirs = {k: v for k, v in model.items() if k in ours}
-    if ours != theirs:
-        raise InvalidRequest(
-            f"{made} on {mine.get('name')!r} ({_shape(mine)}), not on the "
-            f"engine's {model.get('name')!r} ({_shape(theirs)}): {advice}"
-        )
-
-
 def _over_budget(started: float, stepping: float, steps: int, budget: float) -> bool:
     """Whether one more step, as long as the mean step since ``stepping``, would end more
     than ``budget`` seconds after ``started``."""
     now = time.monotonic()
     return now + (now - stepping) / steps - started > budget
-
-
-def _shape(model: dict) -> str:
-    return (
-        f"{model.get('n_layers')} layers, d_model {model.get('d_model')}, vocabulary "
-        f"{model.get('vocab')}, head {str(model.get('head_hash'))[:12]}"
-    )
 
 
 def _step(

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from envoykit.errors import EnvoykitError, InvalidRequest
+from envoykit.results.identity import check_same_model
 
 FORMAT = "envoykit-activations"
 VERSION = 1
@@ -172,7 +173,6 @@ def read_index(path: Path) -> dict[str, Any]:
 
 def _refuse_other_settings(path: Path, index: dict[str, Any], settings: dict[str, Any]) -> None:
     """`InvalidRequest` unless the store at ``path`` was collected with ``settings``."""
-    from envoykit.analyses.tuned import check_same_model
 
     check_same_model(
         index["model"],

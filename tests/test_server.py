@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import queue
 import re
@@ -493,6 +494,61 @@ def test_cli_steer_through_the_server(server, tiny2, tmp_path):
     )  # fmt: skip
     assert bad.returncode == 2 and "at least one --positive and one --negative" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+CORPUS = [
+    "The capital of France is Paris. The capital of Germany is Berlin.",
+    "One, two, three, four, five, six, seven.",
+    "Monday, Tuesday, Wednesday",
+]
+
+
+def test_corpus_work_through_the_server_equals_in_process(client, tiny2, tmp_path):
+    import torch
+
+    remote = client.lens_corpus(CORPUS, top_k=2, batch_tokens=16, progress=False)
+    local = tiny2.lens_corpus(CORPUS, top_k=2, batch_tokens=16, progress=False)
+    np.testing.assert_allclose(remote.document_sums, local.document_sums, atol=1e-9)
+    np.testing.assert_array_equal(remote.document_counts, local.document_counts)
+    kwargs = {"layers": [1, 3], "sites": ["resid", "mlp"], "dtype": "float32", "progress": False}
+    there = client.collect(CORPUS, out=tmp_path / "remote", batch_tokens=16, **kwargs)
+    here = tiny2.collect(CORPUS, out=tmp_path / "local", **kwargs)
+    assert len(there.shard_files) > 1
+    for layer, site in [(1, "resid"), (3, "mlp")]:
+        assert torch.equal(there.load(layer, site), here.load(layer, site))
+    np.testing.assert_array_equal(there.positions, here.positions)
+
+
+def test_cli_corpus_commands_through_the_server(server, tiny2, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in CORPUS))
+    command = [sys.executable, "-m", "envoykit.cli"]
+    table, figure = tmp_path / "lens.csv", tmp_path / "lens.png"
+    lens = subprocess.run(
+        [*command, "lens-corpus", str(corpus), "--server", server.url, "--csv", str(table),
+         "--out", str(figure)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert lens.returncode == 0, lens.stderr[-2000:]
+    expected = tiny2.lens_corpus(CORPUS, layers=["embed", "all"], progress=False)
+    assert f"over {expected.n_documents} documents, {expected.n_tokens} tokens" in lens.stdout
+    rows = table.read_text().splitlines()
+    assert len(rows) == len(expected.layers) + 1 and figure.stat().st_size > 0
+    assert float(rows[1].split(",")[1]) == pytest.approx(expected.kl[0], abs=1e-6)
+    store = tmp_path / "store"
+    collect = subprocess.run(
+        [*command, "collect", str(corpus), "--server", server.url, "--out", str(store),
+         "--layers", "2"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert collect.returncode == 0, collect.stderr[-2000:]
+    assert ek.Activations.open(store).n_documents == len(CORPUS)
+    bad = subprocess.run(
+        [*command, "collect", str(tmp_path / "missing.txt"), "--server", server.url, "--out",
+         str(tmp_path / "other")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "no corpus file" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_cli_attention_through_the_server(server, tiny2, tmp_path):

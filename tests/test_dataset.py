@@ -467,3 +467,35 @@ def peak_memory(engine: ek.Engine, work) -> list[int]:
         done.set()
         sampler.join()
     return peaks
+
+
+def test_corpus_panel_runs_cancels_and_escapes(tiny2):
+    pytest.importorskip("ipywidgets")
+    from envoykit.explorer import CorpusPanel, LensExplorer
+
+    texts = ["<b>bold</b> & more text here", *DOCS]
+    panel = CorpusPanel(tiny2, texts=texts)
+    assert panel.start()
+    assert panel.wait(120)
+    res = panel.result
+    expected = tiny2.lens_corpus(texts, layers=["embed", "all"], progress=False)
+    np.testing.assert_allclose(res.kl, expected.kl, atol=1e-9)
+    assert panel.figure is not None and panel.view.outputs[0]["data"]["image/png"]
+    assert f"{expected.n_documents} documents, {expected.n_tokens} tokens" in panel.header.value
+    assert panel.progress.value == panel.progress.max and not panel.button.disabled
+    # Cancel between batches: the panel says so, and the engine answers at once.
+    panel.texts.value = "\n".join(corpus(400, 300))
+    assert panel.start()
+    deadline = time.monotonic() + 120
+    while "tokens/s" not in panel.header.value:  # the first batch is done
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    panel.cancel_button.click()
+    assert panel.wait(120) and "cancelled after" in panel.header.value
+    assert panel.progress.value < panel.progress.max
+    assert panel.result is None and not panel.button.disabled and panel.cancel_button.disabled
+    assert tiny2.lens("Paris", top_k=1).top_ids.shape[0] == tiny2.info.n_layers
+    panel.texts.value = "  \n "
+    assert panel.run() is None and "no documents" in panel.header.value
+    explorer = LensExplorer(tiny2, prompt="Paris")
+    assert explorer.corpus_panel in explorer.children

@@ -14,7 +14,14 @@ In one run, on the same model, TP size and prompt:
 The two engines are never asked for work at the same time. Both sit on the same cores, so
 an idle one costs the other only what vLLM's idle loops cost.
 
+With ``--load``, only the server runs: 1, 2, 4 and 8 client processes at once (``--levels``),
+each running ``--lenses`` lenses back to back, print the throughput, the p50 and p95 latency
+of one lens, the errors (which must be 0), whether every result equals the serial one, and
+the resident memory of the server and its engine processes before and after each level
+(which must stay flat).
+
     python bench/serve.py --model demo --repeats 5 --clients 2 --lenses 4
+    python bench/serve.py --model demo --load --lenses 50
 """
 
 from __future__ import annotations
@@ -48,6 +55,26 @@ results = [client.lens(p, targets=[{target!r}]) for p in prompts]
 elapsed = time.perf_counter() - t
 print(json.dumps({{"elapsed": elapsed, "top_ids": [r.top_ids.tolist() for r in results],
                   "top_probs": [r.top_probs.tolist() for r in results]}}), flush=True)
+"""
+
+
+LOAD_CLIENT = """
+import json, sys, time
+import envoykit as ek
+client = ek.connect({url!r})
+print("READY", flush=True)
+sys.stdin.readline()  # go
+latencies, errors, top_ids = [], [], []
+for i in range({lenses}):
+    prompt = {prompts!r}[i % {n_prompts}]
+    began = time.perf_counter()
+    try:
+        top_ids.append(client.lens(prompt, targets=[{target!r}], top_k=5).top_ids.tolist())
+    except Exception as error:  # counted, not fatal: the load test reports errors
+        errors.append(f"{{type(error).__name__}}: {{error}}")
+        top_ids.append(None)
+    latencies.append(time.perf_counter() - began)
+print(json.dumps({{"latencies": latencies, "errors": errors, "top_ids": top_ids}}), flush=True)
 """
 
 
@@ -130,6 +157,74 @@ def concurrency(url: str, prompts: list[str], clients: int, serial) -> dict:
     return {"wall": wall, "connects": connects, "equal": equal}
 
 
+def served_memory(server: subprocess.Popen) -> int:
+    """Resident bytes of the server and every process under it (engine core, ranks)."""
+    import psutil
+
+    root = psutil.Process(server.pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
+def load(args) -> None:
+    """The server alone under 1, 2, 4 and 8 concurrent client processes."""
+    server, url, _ = start_server(args.model, args.tp)
+    try:
+        with ek.connect(url) as client:
+            tokenizer = client.tokenizer
+            prompts = [prompt_of(tokenizer, args.tokens - i) for i in range(4)]
+            serial = {
+                p: client.lens(p, targets=[TARGET], top_k=5).top_ids.tolist() for p in prompts
+            }
+        print(f"\n{args.model} behind `envoykit serve`, {args.lenses} lenses per client\n")
+        print(
+            f"| {'clients':>7} | {'lenses/s':>8} | {'p50 s':>6} | {'p95 s':>6} | {'errors':>6} "
+            f"| {'equal':>5} | {'server MiB before -> after':>26} |"
+        )
+        print(f"|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 8}|{'-' * 8}|{'-' * 7}|{'-' * 28}|")
+        for clients in args.levels:
+            before = served_memory(server)
+            code = LOAD_CLIENT.format(
+                url=url, lenses=args.lenses, prompts=prompts, n_prompts=len(prompts), target=TARGET
+            )
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-c", code],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+                for _ in range(clients)
+            ]
+            for proc in procs:
+                assert proc.stdout.readline().strip() == "READY"
+            began = time.perf_counter()
+            for proc in procs:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            outputs = [json.loads(proc.stdout.readline()) for proc in procs]
+            wall = time.perf_counter() - began
+            for proc in procs:
+                proc.wait()
+            after = served_memory(server)
+            latencies = sorted(t for out in outputs for t in out["latencies"])
+            errors = sum(len(out["errors"]) for out in outputs)
+            equal = all(
+                ids == serial[prompts[i % len(prompts)]]
+                for out in outputs
+                for i, ids in enumerate(out["top_ids"])
+            )
+            p50, p95 = np.percentile(latencies, [50, 95])
+            print(
+                f"| {clients:>7} | {len(latencies) / wall:8.2f} | {p50:6.3f} | {p95:6.3f} | "
+                f"{errors:>6} | {equal!s:>5} | "
+                f"{before / 2**20:11.0f} -> {after / 2**20:<11.0f} |"
+            )
+    finally:
+        server.terminate()
+        server.wait(120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo")
@@ -138,7 +233,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--lenses", type=int, default=4, help="lenses per client")
+    parser.add_argument("--load", action="store_true", help="the server alone under load")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args()
+    if args.load:
+        load(args)
+        return
 
     began = time.perf_counter()
     engine = ek.Engine(args.model, args.tp, progress=False)

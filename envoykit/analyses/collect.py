@@ -101,11 +101,12 @@ class ChainedTexts:
 
     def __iter__(self) -> Iterator[str]:
         for text in self._texts:
-            if not isinstance(text, str):
+            if not isinstance(text, (str, list, tuple)):
                 raise InvalidRequest(
-                    f"document {self.count} is a {type(text).__name__}, not a string"
+                    f"document {self.count} is a {type(text).__name__}: a document is a string "
+                    "or a list of token ids"
                 )
-            self.chain = text_chain(self.chain, text)
+            self.chain = text_chain(self.chain, text if isinstance(text, str) else repr(list(text)))
             self.count += 1
             if self.count == self._done and self.chain != self._stored:
                 raise InvalidRequest(
@@ -140,6 +141,7 @@ def run(
     dtype: str,
     max_length: int,
     batch_tokens: int,
+    vocab: int,
     guard: Callable[[], AbstractContextManager],
     progress: Any,
 ) -> None:
@@ -150,7 +152,7 @@ def run(
     # The documents the store holds are hashed, not tokenized: numbering starts after them.
     stream = (
         Piece(piece.doc + done, piece.start, piece.ids)
-        for piece in pieces(tokenizer, corpus, max_length)
+        for piece in pieces(tokenizer, corpus, max_length, vocab)
     )
     wanted = getattr(torch, dtype)
     for batch in batches(stream, batch_tokens):

@@ -6,14 +6,15 @@ vLLM many documents per trace, one invoke each, so its continuous batching prefi
 together: a trace is not one prompt. A document longer than the engine's context is cut into
 consecutive *pieces* of at most ``max_length`` tokens; each piece is its own context (the
 model does not see the previous piece), and positions stay counted from the document's start.
-Texts are read lazily, so a corpus given as a generator is never held whole.
+Texts are read lazily, so a corpus given as a generator is never held whole. A document is a
+string, or a list of token ids (a pre-tokenized dataset, taken as it is).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,15 +55,33 @@ def documents(texts: Any) -> Iterator[str]:
     return itertools.chain([first], stream)
 
 
-def pieces(tokenizer: Any, texts: Iterable[str], max_length: int) -> Iterator[Piece]:
+def pieces(tokenizer: Any, texts: Iterable[Any], max_length: int, vocab: int) -> Iterator[Piece]:
     """Every document's pieces in corpus order (`Piece`), documents numbered from 0; a
     document that tokenizes to nothing has none."""
-    for doc, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise InvalidRequest(f"document {doc} is a {type(text).__name__}, not a string")
-        ids = tokenizer(text)["input_ids"]
+    for doc, document in enumerate(texts):
+        ids = document_ids(tokenizer, document, doc, vocab)
         for start in range(0, len(ids), max_length):
             yield Piece(doc, start, tuple(ids[start : start + max_length]))
+
+
+def document_ids(tokenizer: Any, document: Any, doc: int, vocab: int) -> list[int]:
+    """A document's token ids: a string tokenized as a prompt is (special tokens added), or
+    a list of token ids taken as they are (a pre-tokenized dataset), each checked."""
+    if isinstance(document, str):
+        return tokenizer(document)["input_ids"]
+    if isinstance(document, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in document
+    ):
+        outside = [i for i in document if not 0 <= i < vocab]
+        if outside:
+            raise InvalidRequest(
+                f"document {doc} has token id {outside[0]}, outside the vocabulary 0..{vocab - 1}"
+            )
+        return list(document)
+    raise InvalidRequest(
+        f"document {doc} is a {type(document).__name__}: a document is a string or a list of "
+        "token ids"
+    )
 
 
 def batches(
@@ -84,20 +103,30 @@ def batches(
         yield group
 
 
-def progress_bar(progress: Any, what: str) -> AbstractContextManager:
-    """The bar a corpus analysis reports its tokens to: tqdm's in tokens/s for True, none for
-    False, or the caller's own object with tqdm's ``update(n)`` and ``set_postfix(**kw)`` (a
-    widget's; an exception it raises stops the work between two traces, the engine free)."""
+def progress_bar(progress: Any, what: str, total: int | None = None) -> AbstractContextManager:
+    """The bar a corpus analysis reports its tokens to: tqdm's in tokens/s for True (out of
+    ``total`` tokens, when known), none for False, or the caller's own object with tqdm's
+    ``update(n)`` and ``set_postfix(**kw)`` (a widget's; an exception it raises stops the
+    work between two traces, the engine free)."""
     from tqdm.auto import tqdm
 
     if isinstance(progress, bool):
-        return tqdm(desc=what, unit="tok", unit_scale=True, disable=not progress)
+        return tqdm(desc=what, total=total, unit="tok", unit_scale=True, disable=not progress)
     if not all(callable(getattr(progress, name, None)) for name in ("update", "set_postfix")):
         raise InvalidRequest(
             f"progress is True, False or a bar with update(n) and set_postfix(), not "
             f"{type(progress).__name__}"
         )
     return contextlib.nullcontext(progress)
+
+
+def total_tokens(tokenizer: Any, texts: Any, vocab: int) -> int | None:
+    """How many tokens a corpus held in memory (a list) has, every document checked on the
+    way, so a bad one is refused before anything starts; None for a stream, which is read
+    only once."""
+    if not isinstance(texts, Sequence):
+        return None
+    return sum(len(document_ids(tokenizer, text, doc, vocab)) for doc, text in enumerate(texts))
 
 
 def shipped_corpus() -> list[str]:

@@ -85,6 +85,7 @@ def run(
     translator: str | None,
     max_length: int,
     batch_tokens: int,
+    vocab: int,
     guard: Callable[[], AbstractContextManager],
     progress: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +93,7 @@ def run(
     positions they are over (all, and those with a next token); ``progress`` counts tokens."""
     sums: list[np.ndarray] = []
     counts: list[list[int]] = []
-    for batch in batches(pieces(tokenizer, texts, max_length), batch_tokens):
+    for batch in batches(pieces(tokenizer, texts, max_length, vocab), batch_tokens):
         found = piece_sums(model, readout, batch, layers, top_k, translator, guard)
         for piece, value in zip(batch, found):
             while len(sums) <= piece.doc:  # a document with no tokens is dropped below

@@ -584,16 +584,17 @@ class EngineSurface:
         `envoykit.results.activations`), many documents per trace, with a progress bar in
         tokens/s; returns the store as `Activations`.
 
-        ``texts``: a list or any iterable of strings (read lazily, so memory holds one
-        batch whatever the corpus's size). ``layers``/``sites``: as in `lens`, one stored row
-        each: the residual stream whole ("resid", "resid_mid", summed as the model adds it)
-        or what a block writes ("attn", "mlp"). ``positions``: None (every token) or
-        positions counted in each piece (negative from its end); a piece without one skips
-        it. ``dtype``: what is stored ("bfloat16", "float16" or "float32"). A document
-        longer than ``max_length`` (default: the engine's context) is cut into consecutive
-        pieces, each its own context; ``position`` stays counted from the document's start.
-        ``batch_tokens``: about how many tokens one trace prefills, and one shard holds
-        (whole documents; memory holds one batch).
+        ``texts``: a list or any iterable of documents (read lazily, so memory holds one
+        batch whatever the corpus's size): strings, or lists of token ids taken as they are.
+        ``layers``/``sites``: as in `lens`, one stored row each: the residual stream whole
+        ("resid", "resid_mid", summed as the model adds it) or what a block writes ("attn",
+        "mlp"). ``positions``: None (every token) or positions counted in each piece
+        (negative from its end); a piece without one skips it. ``dtype``: what is stored
+        ("bfloat16", "float16" or "float32"). A document longer than ``max_length``
+        (default: the engine's context) is cut into consecutive pieces, each its own
+        context; ``position`` stays counted from the document's start. ``batch_tokens``:
+        about how many tokens one trace prefills, and one shard holds (whole documents;
+        memory holds one batch).
 
         Resumable: run it again with the same arguments after an interrupt or a killed
         kernel, and it continues after the last whole shard. A store of another model,
@@ -615,6 +616,7 @@ class EngineSurface:
         length = corpus.check_max_length(max_length, info.max_model_len)
         batch = request.check_count("batch_tokens", batch_tokens, minimum=1)
         documents = corpus.documents(texts)
+        total = corpus.total_tokens(self.tokenizer, texts, info.vocab)
         settings = {
             "model": self.fingerprint(),
             "rows": as_rows(rows),
@@ -623,7 +625,10 @@ class EngineSurface:
             "max_length": length,
         }
         writer = StoreWriter.open(out, settings)
-        with corpus.progress_bar(progress, "collect") as bar:
+        with corpus.progress_bar(progress, "collect", total) as bar:
+            if total is not None and writer.documents_done:  # a rerun: those are done
+                stored = texts[: writer.documents_done]
+                bar.update(corpus.total_tokens(self.tokenizer, stored, info.vocab))
             collect.run(
                 self.model,
                 self.readout,
@@ -635,6 +640,7 @@ class EngineSurface:
                 dtype,
                 length,
                 batch,
+                info.vocab,
                 self.exclusive,
                 bar,
             )
@@ -677,13 +683,14 @@ class EngineSurface:
         length = corpus.check_max_length(max_length, info.max_model_len)
         batch = request.check_count("batch_tokens", batch_tokens, minimum=1)
         documents = corpus.documents(texts)
+        total = corpus.total_tokens(self.tokenizer, texts, info.vocab)
         meta = self._result_meta()
         meta.pop("vocab")
         key = None
         if translator is not None:
             key = self._install_translator(translator)
             meta.update(lens="tuned", translator=key)
-        with corpus.progress_bar(progress, "corpus lens") as bar:
+        with corpus.progress_bar(progress, "corpus lens", total) as bar:
             sums, counts = corpus_lens.run(
                 self.model,
                 self.readout,
@@ -694,6 +701,7 @@ class EngineSurface:
                 key,
                 length,
                 batch,
+                info.vocab,
                 self.exclusive,
                 bar,
             )

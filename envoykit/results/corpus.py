@@ -111,7 +111,13 @@ class CorpusLensResult(Result):
             row: dict[str, Any] = {"layer": label}
             for name in STATISTICS:
                 low, high = getattr(self, f"{name}_ci")[i]
-                row.update({name: getattr(self, name)[i], f"{name}_low": low, f"{name}_high": high})
+                row.update(
+                    {
+                        name: float(getattr(self, name)[i]),
+                        f"{name}_low": float(low),
+                        f"{name}_high": float(high),
+                    }
+                )
             rows.append(row)
         return rows
 

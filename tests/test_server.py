@@ -710,6 +710,66 @@ def test_concurrent_clients_get_serial_results(server, client):
             assert_same_lens(res, serial[prompt])
 
 
+LOOPING_CLIENT = """
+import envoykit as ek
+client = ek.connect({url!r})
+print("CONNECTED", flush=True)
+while True:
+    client.lens({prompt!r}, top_k=5, generate=8)
+"""
+
+
+def test_four_clients_while_one_is_killed_at_random_get_serial_results(server, client):
+    """Load: three clients run lenses while a fourth, running lenses in a loop, is killed at
+    a random moment, three times over. The server serves on, the killed requests are freed,
+    and every other result equals the serial one."""
+    import random
+
+    prompts = [PROMPT, "Hello world, said the", "One two three four", "A B C D E"]
+    serial = {p: client.lens(p, top_k=5, generate=3) for p in prompts}
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def run(name: int) -> None:
+        try:
+            with ek.connect(server.url) as mine:
+                results[name] = [(p, mine.lens(p, top_k=5, generate=3)) for p in prompts * 3]
+        except BaseException as error:  # reported below, not lost in the thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in range(3)]
+    for thread in threads:
+        thread.start()
+    chance = random.Random(0)
+    try:
+        for _ in range(3):
+            victim = subprocess.Popen(
+                [sys.executable, "-c", LOOPING_CLIENT.format(url=server.url, prompt=PROMPT)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            try:
+                assert victim.stdout.readline().strip() == "CONNECTED"
+                time.sleep(chance.uniform(0.5, 3.0))
+            finally:
+                victim.kill()
+                victim.wait()
+    finally:
+        for thread in threads:
+            thread.join(600)
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2]
+    for found in results.values():
+        for prompt, res in found:
+            assert_same_lens(res, serial[prompt])
+    idle = time.monotonic()
+    while (status := client.status(workers=True)) != {"in_flight": 0, "workers": [0, 0]}:
+        assert time.monotonic() - idle < 8, status
+        time.sleep(0.2)
+    assert_same_lens(client.lens(PROMPT, top_k=5, generate=3), serial[PROMPT])
+
+
 def test_no_server_is_a_clear_error_within_the_timeout(tmp_path, monkeypatch):
     connect = ek.connect  # imported: the time below is the wait for an answer
     with socket_listening_silently() as url:

@@ -12,9 +12,13 @@ The stream: ``--docs`` windows of ``--tokens`` token ids cut from Python's own d
 Then, once: nnsight's ``LanguageModel`` over transformers and plain transformers (forward
 hooks) collecting the same 2 layers, ``--batch`` documents per forward, float32.
 
+With ``--vllm-lens``, vllm-lens (PyPI) is installed without its dependencies into a
+throwaway directory beside this machine's vLLM and captures the same 2 layers of the same
+stream at TP=1 (`bench/vllm_lens_capture.py`, its own engine), against plain vLLM there.
+
 Each figure is the median of ``--repeats`` runs after a warm-up on a few documents.
 
-    python bench/dataset.py --docs 256 --tokens 128 --tp 1 3
+    python bench/dataset.py --docs 256 --tokens 128 --tp 1 3 --vllm-lens
 """
 
 from __future__ import annotations
@@ -204,6 +208,49 @@ def bench_transformers(path: str, docs: list[list[int]], layers: list[int], args
     ]
 
 
+VLLM_LENS = "vllm-lens==1.3.0"
+
+
+def bench_vllm_lens(path: str, two: list[int], args) -> list:
+    """vllm-lens in a throwaway directory (installed once), run by `vllm_lens_capture.py`."""
+    import json
+    import subprocess
+    import sys
+
+    site = Path(args.vllm_lens_dir)
+    if not (site / "vllm_lens").exists():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+             str(site), VLLM_LENS],
+            check=True,
+        )  # fmt: skip
+    script = Path(__file__).with_name("vllm_lens_capture.py")
+    command = [sys.executable, str(script), "--path", path, "--docs", str(args.docs)]
+    command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    command += ["--layers", ",".join(str(layer - 1) for layer in two)]
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY ")]
+    if done.returncode != 0 or not lines:
+        return [
+            (f"vllm-lens: did not run ({done.stderr.strip().splitlines()[-1:]})", float("nan"), "")
+        ]
+    found = json.loads(lines[0].removeprefix("SUMMARY "))
+    return [
+        ("TP=1 plain vLLM prefill (vllm-lens's engine)", found["plain_s"], ""),
+        (
+            f"TP=1 vllm-lens, 2 layers ({two})",
+            found["lens_s"],
+            f"{found['lens_s'] / found['plain_s']:.2f}x its plain; "
+            f"{found['relative_error']:.1e} from transformers",
+        ),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo")
@@ -213,6 +260,8 @@ def main() -> None:
     parser.add_argument("--lens-layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--vllm-lens", action="store_true", help="also time vllm-lens")
+    parser.add_argument("--vllm-lens-dir", default=str(Path(tempfile.gettempdir()) / "vllm-lens"))
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-dataset-"))
@@ -222,6 +271,8 @@ def main() -> None:
             found, (path, docs, two) = bench_engine(args, tp, scratch)
             rows += found
         rows += bench_transformers(path, docs, two, args)
+        if args.vllm_lens:
+            rows += bench_vllm_lens(path, two, args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     tokens = args.docs * args.tokens

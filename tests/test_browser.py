@@ -43,6 +43,7 @@ NOTEBOOK = Path(__file__).parent / "browser" / "explorer.ipynb"
 READ_ONLY_NOTEBOOK = Path(__file__).parent / "browser" / "readonly.ipynb"
 ATTENTION_NOTEBOOK = Path(__file__).parent / "browser" / "attention.ipynb"
 STEERING_NOTEBOOK = Path(__file__).parent / "browser" / "steering.ipynb"
+CORPUS_NOTEBOOK = Path(__file__).parent / "browser" / "corpus.ipynb"
 # The heatmaps of an explorer: the first prompt's, and in compare mode the second prompt's
 # (cells to drag) and the diff. The standalone page has one, of no explorer.
 HEATMAP = ".ek-heatmap"
@@ -668,6 +669,64 @@ def test_steering_panel_in_jupyterlab(browser, tmp_path):
     except Exception:
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "steering_panel_failure.png"))
+        raise
+    finally:
+        page.close()
+        lab.stop()
+        _, alive = psutil.wait_procs([p for p in kernel_tree if p], timeout=20)
+        for process in alive:
+            process.kill()
+        assert not alive, "the kernel or the engine's ranks outlived the test"
+
+
+def test_corpus_panel_in_jupyterlab(browser, tmp_path):
+    """Run corpus pressed by hand: the figure and the summary the kernel holds appear, the
+    document with markup in it shows as text and runs nothing."""
+    work = tmp_path / "work"
+    work.mkdir()
+    state_path = tmp_path / "state.json"
+    notebook = CORPUS_NOTEBOOK.read_text().replace("__STATE__", str(state_path))
+    (work / "corpus.ipynb").write_text(notebook)
+
+    def state() -> dict:
+        try:
+            return json.loads(state_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    lab = Lab(tmp_path)
+    page = browser.new_page(viewport={"width": 1300, "height": 1000})
+    view = ".ek-corpus"
+    kernel_tree: list[psutil.Process] = []
+    try:
+        open_and_run(page, lab, "corpus.ipynb", "notebook:run-all-above")
+        button = page.locator(f"{view} button.widget-button", has_text="Run corpus")
+        button.wait_for(timeout=240000)
+        kernel_tree = [_process(wait_for(lambda: state().get("pid"), 60, "the kernel state"))]
+        kernel_tree += _children(kernel_tree[0].pid)
+        assert XSS_IMG in page.locator(f"{view} textarea").input_value()
+        button.click()
+        done = wait_for(lambda: (s := state()).get("result") and s, 120, "the corpus lens")
+        result = done["result"]
+        summary = f"{result['n_documents']} documents, {result['n_tokens']} tokens"
+        header = page.locator(f"{view} .widget-html").first
+        wait_for(lambda: summary in header.inner_text(), 30, "the summary")
+        page.locator(f"{view} .jp-OutputArea img").wait_for(timeout=30000)  # the figure
+        assert "Traceback" not in page.locator(view).inner_text()
+        assert_nothing_ran(page)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(view).screenshot(path=str(ARTIFACTS / "corpus_panel.png"))
+        page.evaluate(
+            """() => {
+                const panel = window.jupyterapp.shell.currentWidget;
+                panel.content.activeCellIndex = panel.content.widgets.length - 1;
+                window.jupyterapp.commands.execute('notebook:run-cell');
+            }"""
+        )
+        wait_for((tmp_path / "closed").exists, 60, "the engine to close")
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "corpus_panel_failure.png"))
         raise
     finally:
         page.close()

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from reference import residual_streams, stream_logits, sublayer_streams
+from seeded import seeded_tuned_lens
 
 import envoykit as ek
 from envoykit.analyses.tuned import offline_texts
@@ -223,18 +224,7 @@ def test_lens_corpus_against_transformers(tiny1):
 
 
 def test_tuned_lens_corpus_equals_the_per_prompt_tuned_lens(tiny2):
-    from envoykit.analyses.tuned import fingerprint
-
-    generator = torch.Generator().manual_seed(0)
-    n, d = tiny2.info.n_layers, tiny2.info.d_model
-    weights = {
-        layer: (
-            0.05 * torch.randn(d, d, generator=generator),
-            0.1 * torch.randn(d, generator=generator),
-        )
-        for layer in range(n)
-    }
-    tuned = ek.TunedLens(weights, fingerprint(tiny2))
+    tuned = seeded_tuned_lens(tiny2)
     texts = corpus(4, 200)
     res = tiny2.lens_corpus(texts, layers=["embed", "all"], translator=tuned, progress=False)
     assert res.meta["lens"] == "tuned"

@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+from seeded import seeded_tuned_lens
 
 import envoykit as ek
 from envoykit.runtime.cleanup import mapped_segments
@@ -302,21 +303,7 @@ def test_explorer_on_a_connection(client, tiny2):
 
 @pytest.fixture(scope="module")
 def tuned(tiny2):
-    """Translators of tiny built deterministically (no training): small seeded A and b."""
-    import torch
-
-    from envoykit.analyses.tuned import fingerprint
-
-    generator = torch.Generator().manual_seed(0)
-    n, d = tiny2.info.n_layers, tiny2.info.d_model
-    weights = {
-        layer: (
-            0.05 * torch.randn(d, d, generator=generator),
-            0.1 * torch.randn(d, generator=generator),
-        )
-        for layer in range(n)
-    }
-    return ek.TunedLens(weights, fingerprint(tiny2))
+    return seeded_tuned_lens(tiny2)
 
 
 def translator_posts(client, monkeypatch) -> list[str]:

@@ -187,6 +187,7 @@ def bench_transformers(path: str, docs: list[list[int]], layers: list[int], args
 
     wrapped = nnsight.LanguageModel(model, tokenizer=None, dispatch=True)
 
+    @torch.no_grad()  # as the plain one: a saved output would keep the batch's graph alive
     def through_nnsight() -> None:
         kept = []
         for batch in batches:
@@ -271,6 +272,8 @@ def main() -> None:
         for tp in args.tp:
             found, (path, docs, two) = bench_engine(args, tp, scratch)
             rows += found
+            show(found, args.docs * args.tokens, found[0][1], tp)  # as measured, in case
+            print(flush=True)
         rows += bench_transformers(path, docs, two, args)
         if args.vllm_lens:
             rows += bench_vllm_lens(path, two, args)
@@ -279,14 +282,17 @@ def main() -> None:
     tokens = args.docs * args.tokens
     print(f"\n{args.model}: {args.docs} documents x {args.tokens} tokens = {tokens} tokens")
     plain_one = next(t for name, t, _ in rows if "plain vLLM" in name)
+    show(rows, tokens, plain_one, args.tp[0])
+
+
+def show(rows: list, tokens: int, plain_one: float, tp: int) -> None:
+    """The table, every time against the first TP size's plain prefill."""
     for name, seconds, note in rows:
         if seconds != seconds:  # a line of its own, not a timing
             print(f"  {name}")
             continue
         if not note:
-            note = (
-                f"{tokens / seconds:,.0f} tok/s, {seconds / plain_one:.2f}x TP={args.tp[0]} plain"
-            )
+            note = f"{tokens / seconds:,.0f} tok/s, {seconds / plain_one:.2f}x plain (TP={tp})"
         print(f"  {name:<48} {seconds:8.2f} s   {note}")
 
 

@@ -940,7 +940,7 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         timings["lab"] = time.monotonic() - started
         # Every cell but the last, which closes the engine at the end of the test.
         open_and_run(page, lab, "explorer.ipynb", "notebook:run-all-above")
-        run_button = page.locator("button.widget-button", has_text="Run")
+        run_button = page.locator("button.widget-button.mod-primary", has_text="Run")
         run_button.wait_for(timeout=240000)
         kernel_tree = [_process(wait_for(lambda: state().get("pid"), 30, "the kernel state"))]
         kernel_tree += _children(kernel_tree[0].pid)

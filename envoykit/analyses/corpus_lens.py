@@ -23,9 +23,7 @@ from envoykit.analyses.corpus import Piece, batches, pieces
 from envoykit.analyses.lens import DEFAULT_MEMORY_BUDGET, computed_rows, lens_statistics
 from envoykit.model.readout import Readout, at, walk
 from envoykit.ranks.translators import translated
-
-# What a piece's sums hold, per layer, in this order.
-SUMS = ("kl", "entropy", "agreement", "accuracy")
+from envoykit.results.corpus import STATISTICS
 
 
 def piece_sums(
@@ -38,7 +36,7 @@ def piece_sums(
     guard: Callable[[], AbstractContextManager],
     budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> list[torch.Tensor]:
-    """One trace over ``batch``: per piece ``[4, len(layers)]`` float64, the `SUMS` over its
+    """One trace over ``batch``: per piece ``[4, len(layers)]`` float64, the `STATISTICS` over its
     positions at each of ``layers`` (accuracy over all but its last position, whose next
     token is not in the piece)."""
     import nnsight
@@ -89,7 +87,7 @@ def run(
     guard: Callable[[], AbstractContextManager],
     progress: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per document ``[documents, layers, 4]`` the `SUMS` and ``[documents, 2]`` how many
+    """Per document ``[documents, layers, 4]`` the `STATISTICS` and ``[documents, 2]`` how many
     positions they are over (all, and those with a next token); ``progress`` counts tokens."""
     sums: list[np.ndarray] = []
     counts: list[list[int]] = []
@@ -97,7 +95,7 @@ def run(
         found = piece_sums(model, readout, batch, layers, top_k, translator, guard)
         for piece, value in zip(batch, found):
             while len(sums) <= piece.doc:  # a document with no tokens is dropped below
-                sums.append(np.zeros((len(layers), len(SUMS))))
+                sums.append(np.zeros((len(layers), len(STATISTICS))))
                 counts.append([0, 0])
             sums[piece.doc] += value.numpy().T
             counts[piece.doc][0] += len(piece.ids)
@@ -106,4 +104,5 @@ def run(
         progress.set_postfix(documents=batch[-1].doc + 1, refresh=False)
     found_counts = np.array(counts, dtype=np.int64).reshape(-1, 2)
     has_tokens = found_counts[:, 0] > 0
-    return np.array(sums).reshape(-1, len(layers), len(SUMS))[has_tokens], found_counts[has_tokens]
+    found_sums = np.array(sums).reshape(-1, len(layers), len(STATISTICS))
+    return found_sums[has_tokens], found_counts[has_tokens]

@@ -289,9 +289,32 @@ def test_janitor_sees_a_segment_made_after_start_by_a_process_gone_before_the_ow
         maker.wait()
         os.close(write)  # the owner's end closes only now: the maker is long gone
         watcher.join(10)
-        assert path in watch.paths
+        assert path in watch.segments()
     finally:
         os.close(read)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def test_a_janitor_named_other_processes_forgets_what_it_adopted():
+    """A janitor started beside a running engine (`envoykit serve`'s, for its token record)
+    adopts that engine's processes until it is named its own; what they map is then not
+    its to remove (it removed a served engine's queues while the engine shut down)."""
+    from envoykit.runtime import janitor
+
+    maker = subprocess.Popen(
+        [sys.executable, "-c", SEGMENT_MAKER, "0"], stdout=subprocess.PIPE, text=True
+    )
+    path = f"/dev/shm/{maker.stdout.readline().strip()}"
+    try:
+        watch = janitor.Watch(os.getpid(), set())
+        watch.look()
+        assert maker.pid in watch.started and path in watch.segments()
+        watch.named({"pids": [], "paths": []})
+        assert watch.segments() == set() and watch.started == {}
+    finally:
+        maker.kill()
+        maker.wait()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

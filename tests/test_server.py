@@ -697,6 +697,21 @@ def test_concurrent_clients_get_serial_results(server, client):
             assert_same_lens(res, serial[prompt])
 
 
+def test_requests_leave_nothing_behind_in_the_server(server, client):
+    """Each request's trace is freed once it is answered: the server process's memory after
+    150 more lenses is what it was (each request's tracer, kept by mistake, is about 130 KiB:
+    20 MiB over 150). The engine's processes are not counted: their allocators keep a high
+    water mark that depends on the batches seen."""
+    process = psutil.Process(server.process.pid)
+    for _ in range(20):  # warm: imports, caches and the allocator's first arenas
+        client.lens(PROMPT, top_k=5)
+    before = process.memory_info().rss
+    for _ in range(150):
+        client.lens(PROMPT, top_k=5)
+    grown = process.memory_info().rss - before
+    assert grown < 6 * 2**20, f"the server grew {grown / 2**20:.1f} MiB over 150 lenses"
+
+
 LOOPING_CLIENT = """
 import envoykit as ek
 client = ek.connect({url!r})
@@ -782,14 +797,40 @@ def socket_listening_silently():
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
 
 
+# What a stop must not print: tracebacks from vLLM's finalizers, resource-tracker warnings.
+STOP_NOISE = ("Traceback", "Exception ignored", "resource_tracker", "leaked", "Error")
+
+
+def assert_stopped_quietly(served: Server) -> None:
+    """The stop's stderr: the start's progress and the stop line, nothing else."""
+    stop = served.stderr().split("ready: 100%")[-1]
+    assert not [word for word in STOP_NOISE if word in stop], stop[-3000:]
+    assert "envoykit serve: stopped; the engine is closed" in stop
+
+
 def test_sigterm_leaves_nothing(server, client):
-    """Last in this module: SIGTERM stops the shared server; exit 0, nothing left, and its
-    client gets a clear error."""
+    """Last in this module: SIGTERM stops the shared server; exit 0, nothing left, nothing
+    printed but the stop line, and its client gets a clear error."""
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(60) == 0
     server.assert_nothing_left(10)
+    assert_stopped_quietly(server)
     with pytest.raises(ek.ServerUnavailable, match="no envoykit server answers"):
         client.lens(PROMPT)
+
+
+def test_ctrl_c_stops_quietly_and_leaves_nothing(tmp_path):
+    """Ctrl-C (SIGINT) after some work: exit 0, nothing left, nothing printed but the stop."""
+    served = Server(tmp_path)
+    try:
+        with ek.connect(served.url) as connection:
+            connection.lens(PROMPT, top_k=5)
+        served.process.send_signal(signal.SIGINT)
+        assert served.process.wait(60) == 0
+        served.assert_nothing_left(10)
+        assert_stopped_quietly(served)
+    finally:
+        served.stop()
 
 
 # -- faults that end a server -------------------------------------------------------------

@@ -167,6 +167,7 @@ class Watch:
         self.adopting = True
         self.started: dict[int, str | None] = {}
         self.paths: set[str] = set()
+        self.seen: dict[int, set[str]] = {}  # pid -> the segments it has been seen to map
 
     def look(self) -> None:
         if self.adopting:
@@ -176,12 +177,22 @@ class Watch:
                     self.started[pid] = _start_time(pid)
                 else:
                     self.ignored.add(pid)
-        self.paths |= mapped_segments(list(self.started))
+        for pid in self.started:
+            self.seen.setdefault(pid, set()).update(mapped_segments([pid]))
 
     def named(self, message: dict) -> None:
+        """The owner named its engine's processes: what the others were seen to map is not
+        this janitor's to remove. (A janitor started while another engine of the owner runs,
+        for a token record, adopted that engine's processes until named, and removed their
+        segments while that engine was still shutting down.)"""
         self.adopting = False
         self.started = start_times(message["pids"])
+        self.seen = {pid: self.seen.get(pid, set()) for pid in self.started}
         self.paths |= set(message["paths"])
+
+    def segments(self) -> set[str]:
+        """Every segment the watched processes have been seen to map."""
+        return set().union(*self.seen.values())
 
 
 def _is_engine_process(pid: int) -> bool:
@@ -226,7 +237,8 @@ def main(argv: list[str]) -> None:
         signal.signal(number, signal.SIG_IGN)
     watch = Watch(owner, existing)
     watch_until_released(sys.stdin.fileno(), watch)
-    clean_up(watch.started, [*paths, *sorted(watch.paths - set(paths))], _GRACE_SECONDS)
+    found = (watch.paths | watch.segments()) - set(paths)
+    clean_up(watch.started, [*paths, *sorted(found)], _GRACE_SECONDS)
 
 
 if __name__ == "__main__":

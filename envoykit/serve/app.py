@@ -248,6 +248,7 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
     """Build the trace in ``body`` against the served model, run one request per invoke,
     and answer nnsight's payload: ``{"saves": {name: value}, "error": deferred or None}``."""
     from nnsight.intervention.errors import capture_exception
+    from nnsight.intervention.util import clear_shared_locals
     from nnsight.modeling.vllm.serve import server as nnsight_server
     from nnsight.tracing.globals import SOURCES
     from vllm.v1.engine.exceptions import EngineDeadError
@@ -273,8 +274,11 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
             return nnsight_server._payload({}, capture_exception(error))
     finally:
         # The workers ride on the requests now (or the build failed): none may leak into the
-        # next request's build.
+        # next request's build. nnsight clears the per-frame stores its invokes share when a
+        # trace executes; this one is only prepared, so without the clear every request's
+        # frame, and through it the request's whole tracer, stayed in a thread-local.
         model.interleaver.cancel()
+        clear_shared_locals()
 
     engine = model.vllm_entrypoint
     built = time.perf_counter()

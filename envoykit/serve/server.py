@@ -180,8 +180,26 @@ def serve(
             return _serve(engine, listener, host, token, restart)
         finally:
             engine.close()
+            _forget_engine()
     finally:
         listener.close()
+
+
+def _forget_engine() -> None:
+    """Free the closed engine's vLLM ``AsyncLLM`` now, while the modules it uses still
+    exist. Something made during the engine's start keeps a frame of that start alive, and
+    through it the envoy tree; freed only at interpreter exit, the ``AsyncLLM``'s
+    ``__del__`` ran a second shutdown with its module's globals gone and printed a
+    ``TypeError`` traceback."""
+    import gc
+
+    from nnsight.modeling.vllm.serve import server as nnsight_server
+
+    model = nnsight_server._model
+    if model is not None:
+        model.vllm_entrypoint = None
+    nnsight_server._model = nnsight_server._persistent_objects = None
+    gc.collect()
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -12,6 +12,7 @@ from envoykit.analyses.steering import Steer
 from envoykit.analyses.tuned import LensQuality, TunedLens
 from envoykit.engine import Engine
 from envoykit.errors import (
+    Cancelled,
     EngineDead,
     EnvoykitError,
     InvalidRequest,
@@ -33,6 +34,7 @@ __all__ = [
     "Activations",
     "AttentionResult",
     "AttributionResult",
+    "Cancelled",
     "CompareResult",
     "CorpusLensResult",
     "Engine",

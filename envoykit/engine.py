@@ -25,6 +25,7 @@ from envoykit.analyses import selfcheck
 from envoykit.analyses.surface import EngineSurface
 from envoykit.analyses.tuned import InstalledTranslators
 from envoykit.errors import EngineDead, InvalidRequest
+from envoykit.ranks.cancel import flag_path
 from envoykit.runtime import forkserver, logs, models, platform
 from envoykit.runtime.cleanup import SHM as _SHM
 from envoykit.runtime.cleanup import descendants as _descendants
@@ -103,6 +104,7 @@ class EngineLifetime:
         self._processes: list[Any] = []
         self._finalizer: weakref.finalize | None = None
         self.log_file = None
+        self.scratch: str | None = None  # the engine's own temporary directory (its TMPDIR)
         self._start()
 
     # -- lifetime -------------------------------------------------------------------------
@@ -125,7 +127,7 @@ class EngineLifetime:
         # The engine's temporary files (vLLM's ZeroMQ sockets, a few dozen per engine, and its
         # rendezvous file, which vLLM leaves behind) go to a directory of the engine's own,
         # removed with it. (mkdtemp also fixes this process's own temporary directory first.)
-        scratch = tempfile.mkdtemp(prefix="envoykit-")
+        scratch = self.scratch = tempfile.mkdtemp(prefix="envoykit-")
         # Watching before the first process starts: an owner killed mid-start leaves nothing.
         not_adopted = [p.pid for p in already_running] + forkserver.running()
         watcher = Janitor([scratch], existing=not_adopted)
@@ -289,6 +291,14 @@ class Engine(EngineLifetime, EngineSurface):
         if self._validate:
             steps.set_description(f"{self._source.name}: self-check")
             self._checks = selfcheck.run(self)
+
+    def _raise_cancel_flag(self, key: str) -> None:
+        with open(flag_path(self.scratch, key), "w"):
+            pass
+
+    def _lower_cancel_flag(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(flag_path(self.scratch, key))
 
     def _announce(self) -> None:
         """The one line a start prints under its progress bar (a server prints its own)."""

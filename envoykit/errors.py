@@ -3,8 +3,8 @@
 Everything derives from `EnvoykitError`, so a notebook can catch the whole family; the
 subclasses tell apart a request that was refused before reaching the ranks
 (`InvalidRequest`), a value that would only be one rank's piece (`ShardedValue`), an
-engine that can no longer answer (`EngineDead`) and an engine server that cannot be reached
-(`ServerUnavailable`).
+engine that can no longer answer (`EngineDead`), an engine server that cannot be reached
+(`ServerUnavailable`) and a lens stopped by ``engine.cancel()`` (`Cancelled`).
 """
 
 from __future__ import annotations
@@ -33,3 +33,8 @@ class EngineDead(EnvoykitError):
 class ServerUnavailable(EnvoykitError, ConnectionError):
     """No engine server answers at that address (not started, stopped, unreachable, still
     starting) or it refused this client's token; nothing ran on it."""
+
+
+class Cancelled(EnvoykitError):
+    """The lens was stopped by ``engine.cancel()`` before it finished; nothing came back,
+    and the engine serves the next request as usual."""

@@ -270,8 +270,9 @@ SITES = {"parallel": ("attn", "mlp"), "sequential": ("attn", "resid_mid", "mlp")
 @functools.cache
 def reference(path: str, prompt: str, other: str, parallel: bool) -> dict:
     """Everything the matrix tests compare against, computed in a fresh process: ``lens``
-    ``[n_layers + 1, T, vocab]``, ``sites`` (site -> ``[n_layers, T, vocab]``), ``patched``
-    (``other``'s logits with ``prompt``'s stream after layer 2 at the last position),
+    ``[n_layers + 1, T, vocab]``, ``streams`` (the embedding and each layer's stream before
+    the final norm, ``[n_layers + 1, T, d]``), ``sites`` (site -> ``[n_layers, T, vocab]``),
+    ``patched`` (``other``'s logits with ``prompt``'s stream after layer 2 at the last position),
     ``soft_cap`` (the model's final logit soft-cap, or None), ``attentions`` (eager
     attention weights ``[n_layers, heads, T, T]``, or None), and ``steered`` /
     ``steered_norm`` (``prompt``'s logits steered after layer 2, `steered_logits`)."""
@@ -289,9 +290,11 @@ def _main(path: str, prompt: str, other: str, parallel: str, out: str) -> None:
     flag = parallel == "1"
     model, _ = load(path)
     names = SITES["parallel" if flag else "sequential"]
+    stream = streams(path, prompt, flag)
     torch.save(
         {
             "lens": lens_logits(path, prompt, flag),
+            "streams": torch.cat([stream["embed"][None], stream["post"]]),
             "sites": {site: site_logits(path, prompt, flag, site) for site in names},
             "patched": patched_logits(path, prompt, other, layer=2, position=-1),
             "soft_cap": getattr(model.config, "final_logit_softcapping", None),

@@ -249,6 +249,28 @@ def test_compare_sweep_generation_and_tuned_lens_run(case):
     np.testing.assert_allclose(lensed.kl[-1], 0.0, atol=1e-5)
 
 
+def test_collect_and_lens_corpus_equal_transformers_and_the_per_prompt_lens(case, tmp_path):
+    """The corpus work reads through the same walker as the lens: the store holds
+    transformers' streams (1e-4 of the largest value of each row), and the corpus lens's
+    per-layer means are those of the per-prompt lens."""
+    engine, texts, rows = case.engine, [PROMPT, OTHER], ["embed", "all"]
+    store = engine.collect(
+        texts, out=tmp_path / "acts", layers=rows, dtype="float32", progress=False
+    )
+    assert store.complete and store.layers == list(range(engine.info.n_layers + 1))
+    for layer in store.layers:
+        got, want = store.document(0, layer), case.ref["streams"][layer]
+        scale = max(float(want.abs().max()), 1.0)
+        assert float((got - want).abs().max()) <= 1e-4 * scale, (layer, scale)
+    res = engine.lens_corpus(texts, layers=rows, top_k=1, progress=False)
+    lensed = engine.lens(texts, layers=rows, top_k=1)
+    for name in ("kl", "entropy"):
+        per_token = np.concatenate([getattr(r, name) for r in lensed], axis=1)
+        np.testing.assert_allclose(getattr(res, name), per_token.mean(1), atol=1e-6)
+    agree = np.concatenate([r.top_ids[:, :, 0] == r.top_ids[-1:, :, 0] for r in lensed], axis=1)
+    np.testing.assert_array_equal(res.agreement, agree.mean(1))
+
+
 @pytest.mark.parametrize("name", REFUSED)
 def test_refused_architectures_say_what_still_works(name):
     with ek.Engine(f"tiny-{name}", tensor_parallel_size=1, progress=False) as engine:

@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -881,6 +882,23 @@ def test_cancel_stops_the_sweep_and_leaves_the_engine_usable(comparing, tiny2):
     assert comparing.run() is not None  # the engine answers
     panel.button.click()  # and the next sweep is not cancelled by the last Cancel
     assert panel.wait(120) and panel.result is not None
+
+
+@pytest.mark.engine
+def test_cancel_stops_a_run_and_says_so(explorer, tiny2):
+    """Cancel while Run's lens is on the ranks: the explorer says it was cancelled, gives the
+    buttons back, and the next Run draws."""
+    explorer.prompt.value = "The capital of France is " * 32
+    explorer.run_button.click()
+    while tiny2._lens_in_flight is None and explorer.work.busy:
+        time.sleep(0.001)
+    assert explorer.run_button.disabled and not explorer.cancel_button.disabled
+    explorer.cancel_button.click()  # heard while the lens runs: the kernel is not blocked
+    assert explorer.work.wait(120)
+    assert "cancelled" in explorer.message.value and explorer.result is None
+    assert not explorer.run_button.disabled and explorer.cancel_button.disabled
+    explorer.prompt.value = PROMPT
+    assert explorer.run() is not None and explorer.result.prompt == PROMPT
 
 
 @pytest.mark.engine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import os
 import re
 import signal
 import threading
@@ -142,6 +143,40 @@ def test_interrupt_during_lens_leaves_engine_usable(tiny2):
     result, error, _ = call_with_deadline(lambda: tiny2.lens(PROMPT, top_k=3), 60)
     assert error is None, error
     np.testing.assert_array_equal(result.top_ids, expected.top_ids)
+
+
+LONG = "The capital of France is " * 32  # about 225 of the tiny model's 256 positions
+
+
+def lens_cancelled_at_once(engine, prompt: str) -> tuple[BaseException | None, float]:
+    """Start a lens of ``prompt`` on a thread, cancel it as soon as it has a key, and return
+    what the thread raised and how long after the cancel it ended."""
+    thread, box = call_in_thread(lambda: engine.lens(prompt, top_k=3))
+    while engine._lens_in_flight is None and thread.is_alive():
+        time.sleep(0.001)
+    cancelled_at = time.monotonic()
+    assert engine.cancel()
+    thread.join(120)
+    assert not thread.is_alive()
+    return box.get("error"), time.monotonic() - cancelled_at
+
+
+def test_cancel_stops_a_lens_on_the_ranks_and_the_engine_answers(tiny_engines):
+    """engine.cancel() from another thread: the lens raises ek.Cancelled (every rank stopped
+    at the same chunk: none is left waiting in an exchange), no flag is left behind, and
+    the next lens equals one run before."""
+    for engine in tiny_engines.values():
+        expected = engine.lens(PROMPT, top_k=3)
+        assert not engine.cancel()  # nothing in flight: nothing to stop
+        error, _ = lens_cancelled_at_once(engine, LONG)
+        assert isinstance(error, ek.Cancelled), error
+        assert "cancelled" in str(error) and "Traceback" not in str(error)
+        assert not [n for n in os.listdir(engine.scratch) if n.startswith("envoykit-cancel-")]
+        result, error, _ = call_with_deadline(lambda e=engine: e.lens(PROMPT, top_k=3), 60)
+        assert error is None, error
+        np.testing.assert_array_equal(result.top_ids, expected.top_ids)
+        np.testing.assert_allclose(result.top_probs, expected.top_probs, atol=1e-6)
+        assert engine.lens(LONG, top_k=3).top_ids.shape[1] > 100  # not cancelled again
 
 
 def test_interrupt_during_sweep_leaves_engine_usable(tiny2):

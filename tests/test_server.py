@@ -697,6 +697,32 @@ def test_concurrent_clients_get_serial_results(server, client):
             assert_same_lens(res, serial[prompt])
 
 
+def test_cancel_through_a_connection_stops_the_lens_on_the_ranks(server, client):
+    """connection.cancel() from another thread: the server raises the flag its ranks look
+    for, the lens raises ek.Cancelled, and the connection answers the next lens; a key
+    that is not one is refused."""
+    expected = client.lens(PROMPT, top_k=3)
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = client.lens(" ".join([PROMPT] * 32), top_k=3)
+        except BaseException as error:
+            box["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    while client._lens_in_flight is None and thread.is_alive():
+        time.sleep(0.001)
+    assert client.cancel()
+    thread.join(120)
+    assert isinstance(box.get("error"), ek.Cancelled), box
+    assert_same_lens(client.lens(PROMPT, top_k=3), expected)
+    headers = {"ndif-api-key": server.token()}
+    refused = httpx.post(f"{server.url}/v1/envoykit/cancel/{'x' * 32}", headers=headers)
+    assert refused.status_code == 400 and "not a cancel key" in refused.text, refused.text
+
+
 def test_requests_leave_nothing_behind_in_the_server(server, client):
     """Each request's trace is freed once it is answered: the server process's memory after
     150 more lenses is what it was (each request's tracer, kept by mistake, is about 130 KiB:

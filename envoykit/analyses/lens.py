@@ -36,6 +36,7 @@ from envoykit.analyses.steering import at_step
 from envoykit.model.readout import Addition, Readout, Write, at, normalize, walk, writes_by_layer
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import vocab_parallel
+from envoykit.ranks.cancel import stop_if_cancelled
 from envoykit.ranks.translators import translated
 from envoykit.results.lens import LensResult
 
@@ -53,6 +54,7 @@ def lens_statistics(
     targets: Sequence[int],
     dtype: torch.dtype = torch.float32,
     budget: int = DEFAULT_MEMORY_BUDGET,
+    cancel: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Reduce the lens of ``streams`` (one ``(hidden, residual)`` per row) on this rank.
 
@@ -63,7 +65,8 @@ def lens_statistics(
     Returns tensors on the streams' device (the trace moves them to the host as it saves
     them): ``top_ids``/``top_probs`` ``[layers, positions, k]``,
     ``entropy``/``kl`` ``[layers, positions]``, ``target_probs``/``target_ranks``
-    ``[layers, positions, targets]`` (rank 0 = the most likely token).
+    ``[layers, positions, targets]`` (rank 0 = the most likely token). ``cancel``: the
+    lens's cancel key, looked for before each chunk (`envoykit.ranks.cancel`).
     """
     rows = [normalize(norm, value, residual) for value, residual in streams]
     device = rows[0].device
@@ -83,6 +86,7 @@ def lens_statistics(
             dtype,
             budget,
             largest,
+            cancel,
         )
         for start in range(0, n_pos, span)
     ]
@@ -97,6 +101,7 @@ def _reduce_positions(
     dtype: torch.dtype,
     budget: int,
     largest: int,
+    cancel: str | None,
 ) -> dict[str, torch.Tensor]:
     """`lens_statistics` of one block of positions: layers in chunks that fit ``budget``."""
     n_pos = rows[0].shape[0]
@@ -106,6 +111,7 @@ def _reduce_positions(
     final_logp = final_probs = None
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
+        stop_if_cancelled(shard, cancel, chunk[0].device)
         logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
         largest_logit, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
             shard, logits, top_k, targets
@@ -159,6 +165,7 @@ def run(
     writes: Sequence[Write] = (),
     translator: str | None = None,
     additions: Sequence[Addition] = (),
+    cancel: str | None = None,
 ) -> list[LensResult]:
     """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt, the
     whole trace under ``guard`` (the engine's: nnsight cannot build two traces on one model
@@ -169,7 +176,8 @@ def run(
     names tuned-lens translators installed on the ranks (`envoykit.ranks.translators`): every
     residual-stream row but the last layer's goes through them before the final norm.
     ``additions`` (steering, `envoykit.analyses.steering`) go into the prompt's pass and,
-    those at every position, into each generated token's.
+    those at every position, into each generated token's. ``cancel``: the key that stops
+    this lens on the ranks when its flag goes up (`envoykit.ranks.cancel`).
 
     With ``generate=N`` the trace runs N+1 steps: the prompt's prefill, then each generated
     token as it is fed back, so every position in the result is an input token and its lens
@@ -210,6 +218,7 @@ def run(
                         target_ids,
                         reduce_dtype,
                         budget,
+                        cancel,
                     )
                     steps.append({key: value.cpu() for key, value in stats.items()})
                     samples.append(model.samples.cpu())

@@ -17,12 +17,13 @@ the guard is free, so a long sweep lets other requests in.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from envoykit.analyses import selfcheck
-from envoykit.errors import InvalidRequest
+from envoykit.errors import Cancelled, InvalidRequest
 from envoykit.model.readout import Readout
 
 if TYPE_CHECKING:
@@ -53,9 +54,30 @@ class EngineSurface:
     def exclusive(self) -> AbstractContextManager:
         raise NotImplementedError
 
+    # The cancel key of the lens running now (`cancel`), None between lenses.
+    _lens_in_flight: str | None = None
+
     @property
     def tokenizer(self) -> Any:
         return self.model.tokenizer
+
+    def cancel(self) -> bool:
+        """Stop the lens in flight, started on another thread (the explorer's Run, a
+        notebook's background work): the ranks stop it before its next chunk of reductions
+        (`envoykit.ranks.cancel`), and it raises `ek.Cancelled`. The engine serves the next
+        request as usual. Returns whether a lens was in flight."""
+        key = self._lens_in_flight
+        if key is None:
+            return False
+        self._raise_cancel_flag(key)
+        return True
+
+    def _raise_cancel_flag(self, key: str) -> None:
+        """Put up the cancel flag of lens ``key`` where its ranks look."""
+        raise NotImplementedError
+
+    def _lower_cancel_flag(self, key: str) -> None:
+        """The lens of ``key`` has ended: its flag, if up, is of no further use."""
 
     @property
     def readout(self) -> Readout:
@@ -258,9 +280,29 @@ class EngineSurface:
             meta["steer"] = [item.describe() for item in steers]
         model, readout, guard = self.model, self.readout, self.exclusive
         writes = patching.source_writes(model, readout, plan, guard)
-        results = lens.run(
-            model, readout, req, meta, guard, writes=writes, translator=key, additions=additions
-        )
+        cancel = self._lens_in_flight = uuid.uuid4().hex
+        try:
+            results = lens.run(
+                model,
+                readout,
+                req,
+                meta,
+                guard,
+                writes=writes,
+                translator=key,
+                additions=additions,
+                cancel=cancel,
+            )
+        except Exception as error:
+            if was_cancelled(error):
+                raise Cancelled(
+                    "the lens was cancelled (engine.cancel()); the engine is ready for the "
+                    "next request"
+                ) from None
+            raise
+        finally:
+            self._lens_in_flight = None
+            self._lower_cancel_flag(cancel)
         return results if isinstance(prompt, (list, tuple)) else results[0]
 
     def _patch_plan(self, req: Any, patches: list[Patch | Ablate]) -> Any:
@@ -759,3 +801,10 @@ def refuse_with_compare(names: Sequence[str]) -> None:
             "logit lens of two prompts' own tokens (in float64 on the ranks); run engine.lens "
             "on each prompt with those options instead"
         )
+
+
+def was_cancelled(error: BaseException) -> bool:
+    """Whether ``error`` is the ranks' `LensCancelled`, as the trace hands it back."""
+    from envoykit.ranks.cancel import LensCancelled
+
+    return isinstance(error, LensCancelled) or "LensCancelled" in f"{type(error).__name__} {error}"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import html
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from envoykit.analyses.compare import compare
 from envoykit.analyses.patching import Patch
 from envoykit.analyses.request import Row, describe_target
 from envoykit.analyses.tuned import TunedLens
-from envoykit.errors import InvalidRequest
+from envoykit.errors import Cancelled, InvalidRequest
 from envoykit.explorer import export, rows
 from envoykit.explorer.compare_panel import (
     describe_patch,
@@ -144,6 +145,7 @@ class LensExplorer(ExplorerLayout):
         # The Run button's lens on a thread of its own: the notebook stays usable meanwhile.
         self.work = Background("envoykit-lens", lambda why: self._refused(f"the run failed: {why}"))
         self.run_button.on_click(lambda _: self.work.start(self.run))
+        self.cancel_button.on_click(lambda _: self.cancel())
         self.sweep_panel.button.on_click(lambda _: self.sweep_panel.start(self.run_sweep))
         self.compare_panel.patch_button.on_click(lambda _: self._patch_selected())
 
@@ -241,6 +243,15 @@ class LensExplorer(ExplorerLayout):
             request["translator"] = self.translator
         return self._lens(request, picked, self._second_prompt())
 
+    def cancel(self) -> bool:
+        """Stop the Run in flight (same as pressing Cancel): the ranks stop its lens before
+        their next chunk of work, and the explorer says it was cancelled. Whether a lens
+        was running."""
+        if self.engine is None or not self.work.busy:
+            return False
+        self.status.value = "<i>cancelling…</i>"
+        return self.engine.cancel()
+
     def set_translator(self, translator: TunedLens) -> None:
         """Offer the tuned lens of ``translator`` beside the logit lens (the lens selector
         appears; Run uses the lens it shows)."""
@@ -329,14 +340,19 @@ class LensExplorer(ExplorerLayout):
         """Run ``request`` (`Engine.lens`'s arguments, a patch included) and keep the
         ``picked`` rows; with a second prompt ``other``, lens it too (unpatched, reused when
         its request is unchanged) and draw the diff."""
-        self.run_button.disabled = True
+        self.run_button.disabled, self.cancel_button.disabled = True, False
         self.run_button.description = "Running…"
         self._say("")  # the last run's message is not about this one
-        self.status.value = f"<i>running the lens on {html.escape(self.engine.info.name)}…</i>"
+        began = time.strftime("%H:%M:%S")
+        self.status.value = (
+            f"<i>running the lens on {html.escape(self.engine.info.name)} (since {began})…</i>"
+        )
         # The button comes back only once everything below is drawn: enabled means done.
         try:
             try:
                 result = rows.keep(self.engine.lens(**request), picked)
+            except Cancelled:
+                return self._refused("cancelled: the lens was stopped on the ranks")
             except ENGINE_ERRORS as err:
                 return self._refused(str(err))
             if result is None:
@@ -363,7 +379,7 @@ class LensExplorer(ExplorerLayout):
             self._show_comparison()
             return result
         finally:
-            self.run_button.disabled = False
+            self.run_button.disabled, self.cancel_button.disabled = False, True
             self.run_button.description = "Run"
 
     def _refused(self, text: str) -> None:

@@ -93,6 +93,13 @@ class ExplorerLayout(widgets.VBox):
         self.run_button = widgets.Button(
             description="Run", button_style="primary", icon="play", disabled=readonly
         )
+        self.cancel_button = widgets.Button(
+            description="Cancel",
+            icon="stop",
+            disabled=True,
+            tooltip="stop the lens on the ranks before its next chunk of work",
+            layout=widgets.Layout(display="none" if readonly else None),
+        )
         self.status = widgets.HTML("read-only: a stored LensResult" if readonly else "")
         self.message = widgets.HTML()
         self.compare = widgets.Checkbox(
@@ -138,7 +145,7 @@ class ExplorerLayout(widgets.VBox):
                 self.tokenization,
                 widgets.HBox([self.metric, self.top_k, self.lens_kind]),
                 widgets.HBox([self.colour_min, self.colour_max, self.colour_scale]),
-                widgets.HBox([self.run_button, self.status]),
+                widgets.HBox([self.run_button, self.cancel_button, self.status]),
             ],
             layout=widgets.Layout(width="55%"),
         )

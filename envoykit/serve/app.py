@@ -21,6 +21,9 @@ collects the saves; `install` extends that app in place rather than writing anot
   against the served model's own fingerprint), else sent to every rank once per key
   (`envoykit.serve.server.ServedEngine.install_translator`). A refusal says
   ``"invalid_request": true``; the client raises it as `InvalidRequest`.
+* ``POST /v1/envoykit/cancel/{key}``: the cancel flag of the lens with that key, which its
+  ranks look for between two chunks of work (`envoykit.ranks.cancel`); a client's
+  ``engine.cancel()`` sends it.
 * ``POST /v1/nnsight/generate``, replaced: nnsight's handler merges the saves of a trace's
   invokes with ``dict.update``, so a name each invoke saves (a lens of several prompts, a
   patch-sweep batch) came back with the last invoke's value only. This one collects each
@@ -59,6 +62,8 @@ OPEN_PATHS = frozenset({"/health"})
 # Checkpoint files a client may fetch: what a structure-only build reads, never weights.
 _SMALL_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 _SMALL_FILE_LIMIT = 64 * 2**20
+# How long a cancel flag stays up: longer than a lens waits in the queue before it starts.
+_CANCEL_FLAG_SECONDS = 600
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -207,6 +212,10 @@ def install(app: Any, token: str, state: ServerState) -> None:
     async def install_translator(key: str, request: Request) -> Any:
         return await install_translators(key, await request.body(), state)
 
+    @app.post("/v1/envoykit/cancel/{key}")
+    async def cancel(key: str) -> Any:
+        return raise_cancel_flag(key, state)
+
     @app.post("/v1/nnsight/generate")
     async def generate(request: Request) -> Response:
         return await run_trace(await request.body(), request.headers, state)
@@ -237,6 +246,21 @@ async def install_translators(key: str, body: bytes, state: ServerState) -> Any:
         detail = "the engine's processes died while installing translators"
         return JSONResponse(status_code=503, content={"detail": detail, "engine_dead": True})
     logger.info("tuned-lens translators %s installed on the ranks", key)
+    return {"key": key}
+
+
+def raise_cancel_flag(key: str, state: ServerState) -> Any:
+    """Put up the cancel flag of lens ``key`` where the served engine's ranks look
+    (`envoykit.ranks.cancel`), and take it down `_CANCEL_FLAG_SECONDS` later: a lens
+    still queued by then is no longer waited for. 400 if ``key`` is not a cancel key."""
+    from envoykit.ranks.cancel import flag_path
+
+    try:
+        path = Path(flag_path(state.engine.scratch, key))
+    except ValueError as error:
+        return _refused(400, str(error))
+    path.touch()
+    asyncio.get_running_loop().call_later(_CANCEL_FLAG_SECONDS, path.unlink, True)
     return {"key": key}
 
 

@@ -154,6 +154,10 @@ class Connection(EngineSurface):
             )
         return translator.key
 
+    def _raise_cancel_flag(self, key: str) -> None:
+        # The server puts the flag where its ranks look, and takes it down after a while.
+        self._request("POST", f"/v1/envoykit/cancel/{key}", timeout=self._timeout)
+
     def _steered_trace(self, additions: Any, prompts: tuple, kwargs: dict) -> Any:
         raise InvalidRequest(
             "a steered engine.trace installs a block on the ranks, which needs the engine in "

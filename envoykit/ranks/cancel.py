@@ -1,0 +1,54 @@
+"""Stop a lens in flight on the ranks, between two chunks of its reductions.
+
+A lens of a long prompt is one forward step, and its time goes mostly into the reductions
+on the ranks, chunk by chunk (`envoykit.analyses.lens`). vLLM aborts a request only between
+two steps, so a Cancel would wait for the whole step. Instead each lens carries a key, and
+a cancel is a flag file named after it in the engine's scratch directory, which is every
+rank's ``TMPDIR``: the client writes it (`flag_path`), or the server does for a client
+(``POST /v1/envoykit/cancel/{key}``). Before each chunk every rank looks for the flag, and
+the ranks agree on what they saw with one all-gather of one number: a collective, so every
+rank stops at the same chunk and none is left waiting in an exchange. They raise
+`LensCancelled`; the request ends with that error and the engine serves the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import torch
+
+from envoykit.model.vocab_shard import VocabShard
+
+_PREFIX = "envoykit-cancel-"
+_KEY = re.compile(r"[0-9a-f]{32}")
+
+
+class LensCancelled(RuntimeError):
+    """Raised on every rank when the lens's cancel flag is up (the client raises
+    `envoykit.errors.Cancelled` in its place)."""
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is a lens's cancel key (32 hex digits), else ValueError: it names a
+    file, so nothing else may reach a path."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ValueError(f"not a cancel key: {key!r}")
+    return key
+
+
+def flag_path(directory: str, key: str) -> str:
+    """Where the cancel flag of lens ``key`` lives in the engine's scratch ``directory``."""
+    return os.path.join(directory, _PREFIX + check_key(key))
+
+
+def stop_if_cancelled(shard: VocabShard, key: str | None, device: torch.device) -> None:
+    """On a rank, inside the trace: raise `LensCancelled` on every rank once any rank sees
+    the flag of ``key`` (None: this lens cannot be cancelled; nothing is exchanged)."""
+    if key is None:
+        return
+    seen = os.path.exists(flag_path(tempfile.gettempdir(), key))
+    flags = shard.gather(torch.tensor([float(seen)], device=device))
+    if bool(flags.max() > 0):
+        raise LensCancelled(f"lens {key} cancelled")

@@ -17,8 +17,8 @@ an idle one costs the other only what vLLM's idle loops cost.
 With ``--load``, only the server runs: 1, 2, 4 and 8 client processes at once (``--levels``),
 each running ``--lenses`` lenses back to back, print the throughput, the p50 and p95 latency
 of one lens, the errors (which must be 0), whether every result equals the serial one, and
-the resident memory of the server and its engine processes before and after each level
-(which must stay flat).
+the resident memory of the server process and of its engine's processes before and after
+each level (which must stay flat).
 
     python bench/serve.py --model demo --repeats 5 --clients 2 --lenses 4
     python bench/serve.py --model demo --load --lenses 50
@@ -157,12 +157,14 @@ def concurrency(url: str, prompts: list[str], clients: int, serial) -> dict:
     return {"wall": wall, "connects": connects, "equal": equal}
 
 
-def served_memory(server: subprocess.Popen) -> int:
-    """Resident bytes of the server and every process under it (engine core, ranks)."""
+def served_memory(server: subprocess.Popen) -> tuple[int, int]:
+    """Resident bytes of the server process, and of every process under it (engine core,
+    ranks, their helpers): a request the server keeps shows in the first, an allocator's
+    high water on a rank in the second."""
     import psutil
 
     root = psutil.Process(server.pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    return root.memory_info().rss, sum(p.memory_info().rss for p in root.children(recursive=True))
 
 
 def load(args) -> None:
@@ -178,9 +180,12 @@ def load(args) -> None:
         print(f"\n{args.model} behind `envoykit serve`, {args.lenses} lenses per client\n")
         print(
             f"| {'clients':>7} | {'lenses/s':>8} | {'p50 s':>6} | {'p95 s':>6} | {'errors':>6} "
-            f"| {'equal':>5} | {'server MiB before -> after':>26} |"
+            f"| {'equal':>5} | {'server MiB before -> after':>26} "
+            f"| {'engine MiB before -> after':>26} |"
         )
-        print(f"|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 8}|{'-' * 8}|{'-' * 7}|{'-' * 28}|")
+        print(
+            f"|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 8}|{'-' * 8}|{'-' * 7}|{'-' * 28}|{'-' * 28}|"
+        )
         for clients in args.levels:
             before = served_memory(server)
             code = LOAD_CLIENT.format(
@@ -218,7 +223,8 @@ def load(args) -> None:
             print(
                 f"| {clients:>7} | {len(latencies) / wall:8.2f} | {p50:6.3f} | {p95:6.3f} | "
                 f"{errors:>6} | {equal!s:>5} | "
-                f"{before / 2**20:11.0f} -> {after / 2**20:<11.0f} |"
+                f"{before[0] / 2**20:11.0f} -> {after[0] / 2**20:<11.0f} | "
+                f"{before[1] / 2**20:11.0f} -> {after[1] / 2**20:<11.0f} |"
             )
     finally:
         server.terminate()

@@ -918,6 +918,69 @@ def sweep(page: Any, state: Callable[[], dict]) -> None:
     page.locator(".ek-sweep").screenshot(path=str(ARTIFACTS / "explorer_sweep.png"))
 
 
+def shows(page: Any, text: str) -> None:
+    """Wait until ``text`` is on screen (the page follows the kernel's widgets a moment
+    after the kernel has them)."""
+    found = page.get_by_text(text, exact=False).first
+    wait_for(found.is_visible, 30, f"{text!r} on screen")
+
+
+def unpin_tuned_refused_and_dark(page: Any, state: Callable[[], dict], run_button: Any) -> None:
+    """The rest of a day's sequence, as a person sees it: the pin chip unpins its token; the
+    tuned lens says so in the status line; a refused Run (an empty prompt) says why, dims the
+    heatmap it leaves and names whose run that is, with no traceback, and the next Run clears
+    both; JupyterLab Dark darkens the heatmap."""
+    chip = page.locator("button.ek-pin")
+    assert chip.count() == 1, chip.count()
+    chip.click()
+    wait_for(lambda: state().get("pinned") == [], 60, "the unpin")
+    wait_for(lambda: chip.count() == 0, 30, "the chip to go")
+    wait_for(run_button.is_enabled, 120, "the lens without the pin")
+
+    # The tuned lens reads the residual stream only: the sub-layer sites picked before go.
+    picker = page.locator(".ek-picker")
+    picker.evaluate("root => root.scrollIntoView({block: 'center'})")
+    n = max(_layer_number(label.split(".")[0]) for label in state()["result"]["layer_labels"])
+    picker.locator(f'.ek-cell[data-layer="{n}"][data-site="attn"]').click()
+    wait_for(lambda: [n, "attn"] not in state()["selected_sites"], 30, "the attention row off")
+    mid = picker.locator('.ek-line[data-line="resid_mid"]')
+    before = state()["selected_sites"]
+    mid.click()  # a line partly or wholly picked: this click picks it whole or drops it
+    wait_for(lambda: state()["selected_sites"] != before, 30, "the mid line clicked")
+    if state()["selected_sites"]:
+        mid.click()
+    wait_for(lambda: state()["selected_sites"] == [], 30, "no sub-layer sites")
+
+    lens_menu = page.locator("select", has=page.locator("option", has_text="tuned lens"))
+    lens_menu.select_option(label="tuned lens")
+    run_button.click()
+    wait_for(lambda: "tuned lens" in state().get("status", ""), 120, "the tuned lens's status")
+    wait_for(run_button.is_enabled, 60, "the tuned Run to end")
+    shows(page, "tuned lens:")
+    lens_menu.select_option(label="logit lens")
+
+    prompt_box = page.locator(".widget-textarea textarea").first
+    prompt_box.fill("")
+    run_button.click()
+    wait_for(lambda: "the prompt is empty" in state().get("message", ""), 60, "the refusal")
+    shows(page, "the prompt is empty")
+    stale = page.locator(".ek-main-heatmap.ek-stale")
+    wait_for(lambda: stale.count() == 1, 30, "the heatmap left dimmed")
+    shows(page, "still shows the previous run")
+    assert "Traceback" not in page.locator(".jp-OutputArea").first.inner_text()
+    prompt_box.fill(PROMPT)
+    run_button.click()
+    wait_for(lambda: (s := state()).get("message") == "" and "rows" in s["status"], 120, "a Run")
+    wait_for(lambda: stale.count() == 0, 30, "the heatmap undimmed")
+
+    dark_theme(page)
+    page.wait_for_function(
+        f"() => ({CANVAS_BACKGROUND})(document.querySelector('{MAIN}')) < 0.1", timeout=30000
+    )
+    page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30000)
+    page.screenshot(path=str(ARTIFACTS / "explorer_jupyterlab_dark.png"), full_page=True)
+
+
 @pytest.mark.engine
 def test_explorer_in_jupyterlab(browser, tmp_path):
     work = tmp_path / "work"
@@ -1016,6 +1079,9 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         t = time.monotonic()
         sweep(page, state)
         timings["sweep"] = time.monotonic() - t
+        t = time.monotonic()
+        unpin_tuned_refused_and_dark(page, state, run_button)
+        timings["unpin + tuned + refused + dark"] = time.monotonic() - t
 
         t = time.monotonic()
         page.evaluate(

@@ -596,12 +596,12 @@ def test_a_refused_run_marks_the_old_heatmap_and_a_new_run_clears_it(explorer):
     good = explorer.run()
     explorer.prompt.value = "   "
     assert explorer.run() is None
-    assert "ek-stale" in explorer.heatmap._dom_classes
+    assert explorer.heatmap.stale
     assert "still shows the previous run" in explorer.status.value
     assert explorer.result is good
     explorer.prompt.value = PROMPT
     assert explorer.run() is not None
-    assert "ek-stale" not in explorer.heatmap._dom_classes and explorer.message.value == ""
+    assert not explorer.heatmap.stale and explorer.message.value == ""
 
 
 @pytest.mark.engine

@@ -252,6 +252,19 @@ class TestPanel:
         panel.generate()
         assert panel.vector is again  # same lists and layer: not built again
 
+    def test_the_generate_button_works_off_the_kernels_thread(self, tiny2):
+        """A click hands Generate to a thread of its own (the kernel stays free); it shows
+        what a call from code shows."""
+        from envoykit.explorer import SteeringPanel
+
+        panel = SteeringPanel(
+            tiny2, prompt=PROMPT, positive=POSITIVE, negative=NEGATIVE, layer=2, max_tokens=4
+        )
+        panel.button.click()
+        assert panel.work.wait(120) and not panel.button.disabled
+        clicked = panel.steered
+        assert clicked is not None and panel.generate().token_ids == clicked.token_ids
+
     def test_bad_input_is_a_message(self, tiny2):
         from envoykit.explorer import SteeringPanel
 

@@ -54,6 +54,20 @@ def test_training_for_a_time_keeps_a_trained_step(tiny2, texts):
     assert torch.isfinite(weights).all() and weights.abs().sum() > 0
 
 
+def test_training_stops_when_told_and_keeps_its_best_step(tiny2, texts):
+    """``stop`` (a Cancel's event, set from another thread) ends training before its next
+    step: set before the start, one step runs, and what it learned comes back, marked."""
+    import threading
+
+    stop = threading.Event()
+    stop.set()
+    stopped = ek.TunedLens.train(tiny2, texts[0], steps=50, progress=False, stop=stop)
+    assert stopped.model["steps"] == 1 and stopped.model["stopped"] is True
+    assert torch.isfinite(torch.stack([a for a, _ in stopped.weights.values()])).all()
+    free = ek.TunedLens.train(tiny2, texts[0], steps=2, progress=False, stop=threading.Event())
+    assert free.model["steps"] == 2 and "stopped" not in free.model
+
+
 def test_tp1_equals_tp2_and_sent_once(tiny_engines, tuned, monkeypatch):
     results = {tp: tiny_engines[tp].lens(PROMPT, translator=tuned) for tp in (1, 2)}
     np.testing.assert_allclose(results[1].kl, results[2].kl, atol=1e-5, rtol=1e-5)

@@ -668,6 +668,10 @@ function render({ model, el }) {
   });
   model.on("change:selected", () => draw(view));
   model.on("change:limits", () => redraw(view));
+  // A refused run leaves the last heatmap dimmed (`stale`), set by the kernel.
+  const mark = () => el.classList.toggle("ek-stale", Boolean(model.get("stale")));
+  model.on("change:stale", mark);
+  mark();
   layout(view);
   requestAnimationFrame(() => draw(view));
   return () => {

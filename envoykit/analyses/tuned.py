@@ -109,6 +109,7 @@ class TunedLens:
         validation: float = 0.1,
         seed: int = 0,
         progress: bool = True,
+        stop: Any = None,
     ) -> TunedLens:
         """Train translators on ``texts`` against ``engine``, the way the tuned lens is
         trained to be trusted: a ``validation`` share of the texts is held out, and the
@@ -118,7 +119,10 @@ class TunedLens:
 
         Stops after ``steps`` optimizer steps, or before a step that would end past
         ``max_seconds`` at the pace of the steps so far (one step always runs), or after one
-        pass over the texts if neither is given. Deterministic given ``seed``. The
+        pass over the texts if neither is given, or before the next step once ``stop``
+        (anything with ``is_set()``, such as a ``threading.Event`` a Cancel button sets from
+        another thread) is set: the best translators so far are returned, as at any other
+        end, and ``model["stopped"]`` says so. Deterministic given ``seed``. The
         result's ``quality`` is its `LensQuality` on the held-out texts; a warning says so
         when it beats the logit lens at fewer than half of the layers.
         """
@@ -157,6 +161,8 @@ class TunedLens:
             while (total is None or step < total) and not (
                 max_seconds and step and _over_budget(started, stepping, step, max_seconds)
             ):
+                if stop is not None and step and stop.is_set():
+                    break
                 streams = layer_streams(engine, batches[step % len(batches)])
                 loss = _step(head, streams, weight, bias, optimizer)
                 step += 1
@@ -170,7 +176,16 @@ class TunedLens:
         best = _keep_best(best, head, checking, weight, bias)
         _, (final_weight, final_bias), quality = best
         weights = {layer: (final_weight[layer], final_bias[layer]) for layer in range(n)}
-        tuned = cls(weights, {**fingerprint(engine), "steps": step, "seed": seed})
+        stopped = stop is not None and stop.is_set()
+        tuned = cls(
+            weights,
+            {
+                **fingerprint(engine),
+                "steps": step,
+                "seed": seed,
+                **({"stopped": True} if stopped else {}),
+            },
+        )
         tuned.quality = quality
         if tuned.quality.better < 0.5:
             warnings.warn(

@@ -370,7 +370,7 @@ class LensExplorer(ExplorerLayout):
             self._request, self._rows, self._other = request, picked, other
             self._other_request = other_request
             self.result, self.other_result = result, other_result
-            self.heatmap.remove_class("ek-stale")
+            self.heatmap.stale = False
             self.status.value = html.escape(
                 f"{result.run_label}: {len(result.layers)} rows × {len(result.positions)} "
                 f"positions, top-{result.top_ids.shape[-1]}"
@@ -388,7 +388,7 @@ class LensExplorer(ExplorerLayout):
         if self.result is None:
             self.status.value = ""
             return
-        self.heatmap.add_class("ek-stale")
+        self.heatmap.stale = True
         shown = html.escape(repr(self.result.prompt))
         self.status.value = f"<i>the heatmap still shows the previous run, of {shown}</i>"
 

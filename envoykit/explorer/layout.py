@@ -18,6 +18,9 @@ from envoykit.explorer.compare_panel import ComparePanel
 from envoykit.explorer.sweep_panel import SweepPanel
 from envoykit.explorer.views import Heatmap, LayerPicker
 
+# A row of controls that wraps onto a second line when the column is narrow.
+_WRAP = {"flex_flow": "row wrap"}
+
 
 class ExplorerLayout(widgets.VBox):
     """The widgets of an explorer, arranged: inputs beside the prompts, then the views.
@@ -143,9 +146,11 @@ class ExplorerLayout(widgets.VBox):
             [
                 self.targets,
                 self.tokenization,
-                widgets.HBox([self.metric, self.top_k, self.lens_kind]),
-                widgets.HBox([self.colour_min, self.colour_max, self.colour_scale]),
-                widgets.HBox([self.run_button, self.cancel_button, self.status]),
+                # Rows wrap rather than clip: at a narrow width the lens menu went past
+                # the edge ("tune…").
+                widgets.HBox([self.metric, self.top_k, self.lens_kind], layout=_WRAP),
+                widgets.HBox([self.colour_min, self.colour_max, self.colour_scale], layout=_WRAP),
+                widgets.HBox([self.run_button, self.cancel_button, self.status], layout=_WRAP),
             ],
             layout=widgets.Layout(width="55%"),
         )

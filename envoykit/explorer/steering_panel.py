@@ -8,7 +8,9 @@ side, and under them the diff of the unsteered and the steered run (`ek.compare`
 the compare heatmap): per layer and position the change of the first target's probability,
 or the JS divergence when no target is given. The panel runs on its own (``SteeringPanel(
 engine, prompt=...)``) or inside a `LensExplorer`, which links its prompt and targets to the
-panel's. Every text it shows passes through ``html.escape`` or a text node.
+panel's. Generate runs on a thread of its own (`Background`), so the notebook stays usable;
+``generate()`` from code runs on the caller's. Every text it shows passes through
+``html.escape`` or a text node.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from envoykit.explorer.layout import typed_targets
 from envoykit.explorer.outputs import ENGINE_ERRORS, message_html
 from envoykit.explorer.payload import compare_data
 from envoykit.explorer.views import Heatmap
+from envoykit.explorer.work import Background
 from envoykit.results.compare import CompareResult
 from envoykit.results.steering import Generation, SteeringVector
 
@@ -109,7 +112,11 @@ class SteeringPanel(widgets.VBox):
             ]
         )
         self.add_class("ek-steering")
-        self.button.on_click(lambda _: self.generate())
+        # Generate on a thread of its own: the notebook stays usable meanwhile.
+        self.work = Background(
+            "envoykit-steer", lambda why: self.say(f"generation failed: {why}", error=True)
+        )
+        self.button.on_click(lambda _: self.work.start(self.generate))
         self.say(HINT)
 
     def generate(self) -> Generation | None:

@@ -61,6 +61,10 @@ class Heatmap(anywidget.AnyWidget):
     # The colour scale's limits as set by a person ({"vmin", "vmax": a number or None for
     # the metric's own, "log": bool}); {} draws with the metric's.
     limits = traitlets.Dict().tag(sync=True)
+    # Whether what is drawn is a run older than the one last asked for (it was refused):
+    # the page dims it. A trait, not a DOM class: a class added after the first render did
+    # not reach the page.
+    stale = traitlets.Bool(False).tag(sync=True)
 
     def __init__(self, result: LensResult | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)

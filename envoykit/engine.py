@@ -25,7 +25,7 @@ from envoykit.analyses import selfcheck
 from envoykit.analyses.surface import EngineSurface
 from envoykit.analyses.tuned import InstalledTranslators
 from envoykit.errors import EngineDead, InvalidRequest
-from envoykit.ranks.cancel import flag_path
+from envoykit.ranks.cancel import lower_flag, raise_flag
 from envoykit.runtime import forkserver, logs, models, platform
 from envoykit.runtime.cleanup import SHM as _SHM
 from envoykit.runtime.cleanup import descendants as _descendants
@@ -293,12 +293,10 @@ class Engine(EngineLifetime, EngineSurface):
             self._checks = selfcheck.run(self)
 
     def _raise_cancel_flag(self, key: str) -> None:
-        with open(flag_path(self.scratch, key), "w"):
-            pass
+        raise_flag(self.scratch, key)
 
     def _lower_cancel_flag(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(flag_path(self.scratch, key))
+        lower_flag(self.scratch, key)
 
     def _announce(self) -> None:
         """The one line a start prints under its progress bar (a server prints its own)."""

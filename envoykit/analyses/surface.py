@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from envoykit.analyses import selfcheck
 from envoykit.errors import Cancelled, InvalidRequest
 from envoykit.model.readout import Readout
+from envoykit.ranks.cancel import is_cancellation
 
 if TYPE_CHECKING:
     from envoykit.analyses.patching import Ablate, Patch
@@ -294,7 +295,7 @@ class EngineSurface:
                 cancel=cancel,
             )
         except Exception as error:
-            if was_cancelled(error):
+            if is_cancellation(error, cancel):
                 raise Cancelled(
                     "the lens was cancelled (engine.cancel()); the engine is ready for the "
                     "next request"
@@ -801,10 +802,3 @@ def refuse_with_compare(names: Sequence[str]) -> None:
             "logit lens of two prompts' own tokens (in float64 on the ranks); run engine.lens "
             "on each prompt with those options instead"
         )
-
-
-def was_cancelled(error: BaseException) -> bool:
-    """Whether ``error`` is the ranks' `LensCancelled`, as the trace hands it back."""
-    from envoykit.ranks.cancel import LensCancelled
-
-    return isinstance(error, LensCancelled) or "LensCancelled" in f"{type(error).__name__} {error}"

@@ -13,6 +13,7 @@ rank stops at the same chunk and none is left waiting in an exchange. They raise
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -27,7 +28,7 @@ _KEY = re.compile(r"[0-9a-f]{32}")
 
 class LensCancelled(RuntimeError):
     """Raised on every rank when the lens's cancel flag is up (the client raises
-    `envoykit.errors.Cancelled` in its place)."""
+    `envoykit.errors.Cancelled` in its place, `is_cancellation`)."""
 
 
 def check_key(key: str) -> str:
@@ -43,6 +44,31 @@ def flag_path(directory: str, key: str) -> str:
     return os.path.join(directory, _PREFIX + check_key(key))
 
 
+def raise_flag(directory: str, key: str) -> str:
+    """Put up the cancel flag of lens ``key`` in the engine's scratch ``directory``; its path."""
+    path = flag_path(directory, key)
+    with open(path, "w"):
+        pass
+    return path
+
+
+def lower_flag(directory: str, key: str) -> None:
+    """Take the flag of lens ``key`` down, if it is up."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(flag_path(directory, key))
+
+
+def is_cancellation(error: BaseException, key: str) -> bool:
+    """Whether ``error``, raised by the trace of lens ``key``, is its ranks' `LensCancelled`.
+    The trace hands a rank's error back as a ``RuntimeError`` carrying its text (so
+    measured, in process and through a server), hence the text is what is matched."""
+    return _message(key) in str(error)
+
+
+def _message(key: str) -> str:
+    return f"lens {key} cancelled"
+
+
 def stop_if_cancelled(shard: VocabShard, key: str | None, device: torch.device) -> None:
     """On a rank, inside the trace: raise `LensCancelled` on every rank once any rank sees
     the flag of ``key`` (None: this lens cannot be cancelled; nothing is exchanged)."""
@@ -51,4 +77,4 @@ def stop_if_cancelled(shard: VocabShard, key: str | None, device: torch.device) 
     seen = os.path.exists(flag_path(tempfile.gettempdir(), key))
     flags = shard.gather(torch.tensor([float(seen)], device=device))
     if bool(flags.max() > 0):
-        raise LensCancelled(f"lens {key} cancelled")
+        raise LensCancelled(_message(key))

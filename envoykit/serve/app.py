@@ -253,14 +253,14 @@ def raise_cancel_flag(key: str, state: ServerState) -> Any:
     """Put up the cancel flag of lens ``key`` where the served engine's ranks look
     (`envoykit.ranks.cancel`), and take it down `_CANCEL_FLAG_SECONDS` later: a lens
     still queued by then is no longer waited for. 400 if ``key`` is not a cancel key."""
-    from envoykit.ranks.cancel import flag_path
+    from envoykit.ranks.cancel import lower_flag, raise_flag
 
+    directory = state.engine.scratch
     try:
-        path = Path(flag_path(state.engine.scratch, key))
+        raise_flag(directory, key)
     except ValueError as error:
         return _refused(400, str(error))
-    path.touch()
-    asyncio.get_running_loop().call_later(_CANCEL_FLAG_SECONDS, path.unlink, True)
+    asyncio.get_running_loop().call_later(_CANCEL_FLAG_SECONDS, lower_flag, directory, key)
     return {"key": key}
 
 

@@ -377,16 +377,39 @@ class Engine(EngineLifetime, EngineSurface):
             try:
                 yield
             except EngineDeadError as error:
-                self.close()
-                raise EngineDead(
-                    "the engine's processes died (a rank was killed or crashed; the vLLM log "
-                    f"{self.log_file} has the cause): call engine.restart()"
-                ) from error
+                raise self._died() from error
+            except Exception as error:
+                # A rank killed while the client waits on a call to the ranks (nnsight's
+                # ``collect_nnsight`` after each request) fails that call with vLLM's plain
+                # "cancelled" before the engine core itself reports its death.
+                if self._a_process_died():
+                    raise self._died() from error
+                raise
             except KeyboardInterrupt:
                 unfinished = list(engine.output_processor.request_states)
                 if unfinished:
                     engine.abort_request(unfinished, internal=True)
                 raise
+
+    def _a_process_died(self) -> bool:
+        """Whether the engine core or a rank has exited (or is a zombie)."""
+        import psutil
+
+        for process in self._processes:
+            try:
+                if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.Error:
+                return True
+        return False
+
+    def _died(self) -> EngineDead:
+        """Close what is left of a dead engine; the error that says so."""
+        self.close()
+        return EngineDead(
+            "the engine's processes died (a rank was killed or crashed; the vLLM log "
+            f"{self.log_file} has the cause): call engine.restart()"
+        )
 
     def __reduce__(self) -> tuple:
         # Trace code that names the engine (``engine.model.lm_head(...)``) is shipped to the

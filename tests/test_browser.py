@@ -50,6 +50,8 @@ HEATMAP = ".ek-heatmap"
 MAIN = ".ek-main-heatmap .ek-heatmap"
 SOURCE = ".ek-source-heatmap .ek-heatmap"
 DIFF = ".ek-diff-heatmap .ek-heatmap"
+# A panel's figure as the light theme shows it (each comes in both themes' inks).
+FIGURE = "img.ek-figure-light"
 PROMPT = "The capital of France is"  # the notebook's
 OTHER = "The capital of Italy is"  # as many tokens as PROMPT on tiny
 
@@ -317,6 +319,56 @@ def test_standalone_page_shows_model_text_as_text(browser, tmp_path):
 # -- JupyterLab with a real 2-rank engine in the kernel -------------------------------------
 
 
+@pytest.mark.engine
+def test_exports_of_a_patched_and_a_tuned_run_say_so_in_chromium(browser, tiny2, tmp_path):
+    """What a reader of an exported page sees, with no kernel: its title, heading and the
+    heatmap's legend name the run (patched where, or the tuned lens), every panel the
+    explorer showed is there under its title with its figure loaded and whole, and in a
+    dark colour scheme each figure is its dark drawing."""
+    from seeded import seeded_tuned_lens
+
+    explorer = LensExplorer(tiny2, prompt=PROMPT, targets=[" Paris"], compare_with=OTHER)
+    explorer.picker.rows = [(0, "resid"), (2, "resid"), (4, "resid")]
+    explorer.run()
+    explorer.heatmap.set_state({"drop": {"source": [1, 3], "target": [1, 3]}})
+    assert explorer.result.meta.get("patches")
+    exports = [(explorer.export(tmp_path / "patched.html"), "logit lens, patched (layer 2 resid)")]
+    explorer.compare.value = False
+    explorer.set_translator(seeded_tuned_lens(tiny2))
+    explorer.lens_kind.value = "tuned"
+    explorer.run()
+    explorer.heatmap.selected = [2, 6]  # a cell: its trajectory and attribution are panels
+    exports.append((explorer.export(tmp_path / "tuned.html"), "tuned lens"))
+    ARTIFACTS.mkdir(exist_ok=True)
+    for path, run in exports:
+        for scheme in ("light", "dark"):
+            page = browser.new_page(color_scheme=scheme, viewport={"width": 1280, "height": 900})
+            try:
+                page.goto(path.as_uri())
+                page.wait_for_selector(f"{HEATMAP}[data-drawn]", timeout=30000)
+                assert page.title().startswith(f"{run}: ")
+                assert page.locator("h3").inner_text().startswith(f"{run.capitalize()} of ")
+                assert run in page.locator(".ek-legend").inner_text()
+                sections = page.locator("section.ek-panel")
+                assert sections.count() >= 2, sections.count()  # diff + trajectory, or
+                for i in range(sections.count()):  # trajectory + attribution
+                    section = sections.nth(i)
+                    assert section.locator("h4").inner_text()
+                    shown = section.locator(f"img.ek-figure-{scheme}")
+                    hidden = section.locator(
+                        f"img.ek-figure-{'dark' if scheme == 'light' else 'light'}"
+                    )
+                    assert shown.is_visible() and not hidden.is_visible()
+                    assert shown.evaluate("img => img.complete && img.naturalWidth > 0")
+                    box = shown.bounding_box()
+                    assert box["x"] >= 0 and box["x"] + box["width"] <= 1280, box
+                page.screenshot(
+                    path=str(ARTIFACTS / f"export_{path.stem}_{scheme}.png"), full_page=True
+                )
+            finally:
+                page.close()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -519,6 +571,57 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
     print(f"read-only explorer in JupyterLab: {time.monotonic() - started:.1f} s")
 
 
+# Elements under ``root`` whose content is wider than they are and that scroll sideways:
+# a scrollbar shows. Returned as "tag.class: content/width px".
+SIDEWAYS_SCROLLS = """root => [...root.querySelectorAll('*')].filter(el => {
+    const overflow = getComputedStyle(el).overflowX;
+    return (overflow === 'auto' || overflow === 'scroll') && el.scrollWidth > el.clientWidth + 1;
+}).map(el => `${el.tagName}.${el.className}: ${el.scrollWidth}/${el.clientWidth} px`)"""
+
+
+def test_explorer_layout_fits_thirty_layers(browser, tmp_path):
+    """A 30-layer model's stored lens of a short prompt, in JupyterLab at a laptop's width:
+    the picker shows the embedding and all 30 layers with every label whole and no sideways
+    scroll, there is no scrollbar anywhere in the explorer, and every control's label is
+    whole."""
+    res = synthetic_result(31, 8)
+    stored = tmp_path / "thirty.json"
+    res.to_json(str(stored))
+    work = tmp_path / "work"
+    work.mkdir()
+    notebook = READ_ONLY_NOTEBOOK.read_text().replace("__RESULT__", str(stored))
+    (work / "readonly.ipynb").write_text(notebook)
+    lab = Lab(tmp_path)
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        open_and_run(page, lab, "readonly.ipynb", "notebook:run-all-cells")
+        page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=120000)
+        labels = page.locator(".ek-picker .ek-layer:not(.ek-names) .ek-layer-label")
+        assert labels.all_inner_texts() == ["embed"] + [str(n) for n in range(1, 31)]
+        cut = labels.evaluate_all(
+            "els => els.filter(el => el.scrollWidth > el.clientWidth).map(el => el.textContent)"
+        )
+        assert cut == []
+        explorer = page.locator(".ek-explorer")
+        assert explorer.evaluate(SIDEWAYS_SCROLLS) == []
+        # Every button, menu and text box shows its whole label or value.
+        clipped = explorer.evaluate(
+            """root => [...root.querySelectorAll('button, select, .widget-label')]
+                .filter(el => el.offsetParent && el.scrollWidth > el.clientWidth + 1)
+                .map(el => el.textContent.trim() || el.className)"""
+        )
+        assert clipped == []
+        ARTIFACTS.mkdir(exist_ok=True)
+        explorer.screenshot(path=str(ARTIFACTS / "explorer_thirty_layers.png"))
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "explorer_thirty_layers_failure.png"))
+        raise
+    finally:
+        page.close()
+        lab.stop()
+
+
 def hostile_attention() -> ek.AttentionResult:
     """Two layers x three heads over four tokens whose text is markup, causal weights."""
     tokens = (XSS_IMG, "<b>bold</b>", " a & b <!--", XSS_IMG)
@@ -711,7 +814,7 @@ def test_corpus_panel_in_jupyterlab(browser, tmp_path):
         summary = f"{result['n_documents']} documents, {result['n_tokens']} tokens"
         header = page.locator(f"{view} .widget-html").first
         wait_for(lambda: summary in header.inner_text(), 30, "the summary")
-        page.locator(f"{view} .jp-OutputArea img").wait_for(timeout=30000)  # the figure
+        page.locator(f"{view} .jp-OutputArea {FIGURE}").wait_for(timeout=30000)  # the figure
         assert "Traceback" not in page.locator(view).inner_text()
         assert_nothing_ran(page)
         ARTIFACTS.mkdir(exist_ok=True)
@@ -807,7 +910,7 @@ def attribute_a_cell(page: Any, state: Callable[[], dict], label: str, target: i
     panel = page.locator(".ek-attribution")
     assert "Direct logit attribution" in panel.inner_text()
     assert f"at position {res['positions'][0]} " in panel.inner_text()
-    assert panel.locator("img").is_visible()
+    assert panel.locator(FIGURE).is_visible()
     ARTIFACTS.mkdir(exist_ok=True)
     panel.screenshot(path=str(ARTIFACTS / "explorer_attribution.png"))
     page.locator(".ek-picker").screenshot(path=str(ARTIFACTS / "explorer_picker.png"))
@@ -912,10 +1015,37 @@ def sweep(page: Any, state: Callable[[], dict]) -> None:
         "target": PROMPT,
     }
     assert done["progress"] == [len(layers), len(layers)]
-    page.locator(".ek-sweep img").wait_for(state="visible", timeout=30000)
+    page.locator(f".ek-sweep {FIGURE}").wait_for(state="visible", timeout=30000)
     bar = page.locator(".ek-sweep .widget-hprogress .progress-bar")
     wait_for(lambda: bar.evaluate("el => el.style.width") == "100%", 30, "a full progress bar")
     page.locator(".ek-sweep").screenshot(path=str(ARTIFACTS / "explorer_sweep.png"))
+
+
+def cancel_a_sweep(page: Any, state: Callable[[], dict]) -> None:
+    """Sweep again and press Cancel as soon as it can be pressed: the sweep stops after the
+    row in flight, its header says so with no traceback, the bar stays short of full, and
+    Sweep is back while Cancel is not."""
+    sweep_button = page.locator("button.widget-button", has_text="Sweep")
+    sweep_button.click()
+    cancel = page.locator(".ek-sweep button.widget-button", has_text="Cancel")
+    cancel.click()  # Playwright waits until it is enabled: the sweep has begun
+    header = page.locator(".ek-sweep .widget-html").first
+    wait_for(lambda: "cancelled after" in header.inner_text(), 120, "the cancelled sweep")
+    assert "Traceback" not in page.locator(".ek-sweep").inner_text()
+    wait_for(sweep_button.is_enabled, 30, "the Sweep button back")
+    assert cancel.is_disabled()
+    progress = state()["progress"]
+    assert progress[0] < progress[1], progress
+    bar = page.locator(".ek-sweep .widget-hprogress .progress-bar")
+    assert bar.evaluate("el => el.style.width") != "100%"
+
+
+# Which drawing of each panel figure on the page shows: "light", "dark", or what is wrong.
+SHOWN_FIGURES = """() => [...document.querySelectorAll('.ek-figure')].map(figure => {
+    const shown = kind => getComputedStyle(figure.querySelector('.ek-figure-' + kind)).display;
+    const light = shown('light') !== 'none', dark = shown('dark') !== 'none';
+    return light && !dark ? 'light' : dark && !light ? 'dark' : `light ${light}, dark ${dark}`;
+})"""
 
 
 def shows(page: Any, text: str) -> None:
@@ -925,11 +1055,45 @@ def shows(page: Any, text: str) -> None:
     wait_for(found.is_visible, 30, f"{text!r} on screen")
 
 
+# The computed colour of ``el``, and that of JupyterLab's warning colour on this page.
+COLOUR_AND_WARNING = """el => {
+    const probe = document.createElement('span');
+    probe.style.color = 'var(--jp-warn-color1)';
+    document.body.appendChild(probe);
+    const warning = getComputedStyle(probe).color;
+    probe.remove();
+    return [getComputedStyle(el).color, warning];
+}"""
+
+
+def several_tokens_and_a_trailing_comma(page: Any) -> None:
+    """Typed targets as a person mistypes them: a target of several tokens is flagged in
+    the warning colour with its tokens and what is measured instead, and a trailing comma
+    adds no blank target; typed back, the flag goes."""
+    box = page.get_by_placeholder("comma-separated, spaces kept")
+    typed = box.input_value()
+    flags = page.locator("b", has_text="measure only")
+    before = flags.count()  # the tiny tokenizer splits ' Paris' and ' London' too
+    box.fill(typed + ", New York,")
+    wait_for(lambda: flags.count() == before + 1, 30, "the several-token flag")
+    flag = flags.last
+    assert flag.is_visible()
+    colour, warning = flag.evaluate(COLOUR_AND_WARNING)
+    assert colour == warning, (colour, warning)
+    assert "8 tokens: the lens, the attribution and the sweep measure only" in flag.inner_text()
+    rows = page.locator(".widget-html", has=flag).inner_text()
+    assert rows.count("→") == len(typed.split(",")) + 1, rows  # no row for a blank target
+    assert "' New York' →" in rows and "' ' →" not in rows
+    box.fill(typed)
+    wait_for(lambda: flags.count() == before, 30, "the flag to go")
+
+
 def unpin_tuned_refused_and_dark(page: Any, state: Callable[[], dict], run_button: Any) -> None:
     """The rest of a day's sequence, as a person sees it: the pin chip unpins its token; the
-    tuned lens says so in the status line; a refused Run (an empty prompt) says why, dims the
-    heatmap it leaves and names whose run that is, with no traceback, and the next Run clears
-    both; JupyterLab Dark darkens the heatmap."""
+    tuned lens says so in the status line; a target of several tokens is flagged; a refused
+    Run (an empty prompt) says why, dims the heatmap it leaves and names whose run that is,
+    with no traceback, and the next Run clears both; JupyterLab Dark darkens the heatmap and
+    turns every panel figure into its dark drawing."""
     chip = page.locator("button.ek-pin")
     assert chip.count() == 1, chip.count()
     chip.click()
@@ -959,6 +1123,7 @@ def unpin_tuned_refused_and_dark(page: Any, state: Callable[[], dict], run_butto
     shows(page, "tuned lens:")
     lens_menu.select_option(label="logit lens")
 
+    several_tokens_and_a_trailing_comma(page)
     prompt_box = page.locator(".widget-textarea textarea").first
     prompt_box.fill("")
     run_button.click()
@@ -973,11 +1138,17 @@ def unpin_tuned_refused_and_dark(page: Any, state: Callable[[], dict], run_butto
     wait_for(lambda: (s := state()).get("message") == "" and "rows" in s["status"], 120, "a Run")
     wait_for(lambda: stale.count() == 0, 30, "the heatmap undimmed")
 
+    assert page.locator(".ek-figure").count() >= 3  # the trajectory, attribution and sweep
+    assert page.evaluate(SHOWN_FIGURES) == ["light"] * page.locator(".ek-figure").count()
     dark_theme(page)
     page.wait_for_function(
         f"() => ({CANVAS_BACKGROUND})(document.querySelector('{MAIN}')) < 0.1", timeout=30000
     )
     page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30000)
+    # Every panel's figure is now its dark-theme drawing, light ink on no background.
+    page.wait_for_function(
+        f"() => ({SHOWN_FIGURES})().every(shown => shown === 'dark')", timeout=30000
+    )
     page.screenshot(path=str(ARTIFACTS / "explorer_jupyterlab_dark.png"), full_page=True)
 
 
@@ -1036,8 +1207,10 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
             "positions": [res["positions"][position]],
             "target_ids": [res["target_ids"][0]],
         }
-        page.locator(".ek-attribution img").wait_for(state="visible", timeout=30000)
-        before = page.evaluate("() => document.querySelector('.ek-trajectory img').src")
+        page.locator(f".ek-attribution {FIGURE}").wait_for(state="visible", timeout=30000)
+        before = page.evaluate(
+            "() => document.querySelector('.ek-trajectory .ek-figure-light').src"
+        )
 
         new_id = next(r["id"] for r in tip["rows"] if r["id"] not in res["target_ids"])
         page.locator(f'{MAIN} .ek-tooltip .ek-token[data-id="{new_id}"]').click()
@@ -1050,7 +1223,7 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         assert new_id in pinned["result"]["target_ids"]
         assert pinned["selected"] == [layer, position]
         page.wait_for_function(
-            "before => document.querySelector('.ek-trajectory img')?.src !== before",
+            "before => document.querySelector('.ek-trajectory .ek-figure-light')?.src !== before",
             arg=before,
             timeout=30000,
         )
@@ -1077,8 +1250,9 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         compare_and_drag_to_patch(page, state, run_button)
         timings["compare + drag to patch"] = time.monotonic() - t
         t = time.monotonic()
+        cancel_a_sweep(page, state)
         sweep(page, state)
-        timings["sweep"] = time.monotonic() - t
+        timings["a cancelled sweep + a sweep"] = time.monotonic() - t
         t = time.monotonic()
         unpin_tuned_refused_and_dark(page, state, run_button)
         timings["unpin + tuned + refused + dark"] = time.monotonic() - t

@@ -436,6 +436,36 @@ def test_run_fills_the_heatmap(explorer, tiny2):
 
 
 @pytest.mark.engine
+def test_run_says_its_time_and_the_time_left_at_the_last_runs_pace(explorer, monkeypatch):
+    """While a Run's lens is on the ranks the status line counts the seconds; from the
+    second Run on it also gives the time left at the last Run's pace per row and position
+    (or says the Run is slower than that). A finished Run says what it took."""
+    said: list[str] = []
+    explorer.status.observe(lambda change: said.append(change["new"]), "value")
+    lens = explorer.engine.lens
+
+    def slow_lens(**request):  # long enough for the ticker's second line
+        time.sleep(1.3)
+        return lens(**request)
+
+    monkeypatch.setattr(explorer.engine, "lens", slow_lens)
+    explorer.run()
+    running = [line for line in said if line.startswith("<i>running the lens on tiny")]
+    assert running[0] == "<i>running the lens on tiny: 0 s…</i>"  # no pace known yet
+    assert "running the lens on tiny: 1 s…" in running[1]
+    assert re.search(r"top-5; took [12] s$", said[-1]), said[-1]
+    said.clear()
+    explorer.prompt.value = PROMPT + " and the capital of Spain is"  # twice the cells
+    explorer.run()
+    running = [line for line in said if line.startswith("<i>running the lens on tiny")]
+    assert re.fullmatch(
+        r"<i>running the lens on tiny: 0 s, about [2-5] s left at the last run's pace…</i>",
+        running[0],
+    ), running[0]
+    assert "took" in said[-1]
+
+
+@pytest.mark.engine
 def test_run_lenses_the_picked_sublayer_rows(explorer, tiny2):
     """Rows that are no cross product come back exactly, each with the numbers a lens of
     that row alone gives, and the heatmap labels them."""
@@ -857,7 +887,8 @@ def test_the_export_of_a_patched_run_says_so_and_carries_every_panel(comparing, 
     titles = re.findall(r'<section class="ek-panel"><h4>([^<]*)</h4>', page)
     assert titles[0].startswith("diff: ") and "trajectory" in titles
     assert "direct logit attribution" not in titles  # a patched run shows none
-    assert page.count("data:image/png;base64,") == len(titles)
+    assert page.count('class="ek-figure-light"') == len(titles)  # and one per theme each
+    assert page.count("data:image/png;base64,") == 2 * len(titles)
 
 
 @pytest.mark.engine
@@ -872,11 +903,14 @@ def test_a_sweep_refused_before_it_starts_gives_the_button_back(explorer):
 def test_cancel_stops_the_sweep_and_leaves_the_engine_usable(comparing, tiny2):
     comparing.run()
     panel = comparing.sweep_panel
+    said: list[str] = []
+    panel.header.observe(lambda change: said.append(change["new"]), "value")
     panel.button.click()
     assert panel.button.disabled and not panel.cancel_button.disabled
     panel.cancel_button.click()  # heard while the sweep runs: the kernel is not blocked
     assert panel.wait(120)
     assert panel.result is None and "cancelled after" in panel.header.value
+    assert re.search(r"row 1 of \d+; \d+ s so far", said[0]), said[0]
     assert panel.progress.value < panel.progress.max
     assert not panel.button.disabled and panel.cancel_button.disabled
     assert comparing.run() is not None  # the engine answers
@@ -899,6 +933,42 @@ def test_cancel_stops_a_run_and_says_so(explorer, tiny2):
     assert not explorer.run_button.disabled and explorer.cancel_button.disabled
     explorer.prompt.value = PROMPT
     assert explorer.run() is not None and explorer.result.prompt == PROMPT
+
+
+@pytest.mark.engine
+def test_training_panel_offers_the_tuned_lens_and_cancel_keeps_the_best_so_far(explorer):
+    """Train within a budget from the page: the bar fills, the lens menu offers the result,
+    and the header says how it did. With a long budget, Cancel ends it before its next step,
+    long before the budget, and still offers the best translators so far."""
+    panel = explorer.training_panel
+    assert explorer.translator is None and explorer.lens_kind.layout.display == "none"
+    panel.seconds.value = 3
+    began = time.monotonic()
+    assert panel.start() and panel.wait(120)
+    tuned = panel.tuned
+    assert tuned is not None and explorer.translator is tuned
+    assert explorer.lens_kind.layout.display is None  # the menu offers it
+    assert re.search(r"\d+ steps in \d+ s: closer to the final distribution", panel.header.value)
+    assert panel.progress.value == panel.progress.max == 3
+    assert time.monotonic() - began < 3 + 30  # the budget, and the set-up before it
+    assert not tuned.model.get("stopped")
+    explorer.lens_kind.value = "tuned"
+    assert explorer.run().meta["lens"] == "tuned"
+
+    panel.seconds.value = 600
+    said: list[str] = []
+    panel.header.observe(lambda change: said.append(change["new"]), "value")
+    began = time.monotonic()
+    assert panel.start()
+    while not any("training:" in line for line in said):
+        time.sleep(0.05)
+    assert panel.button.disabled and not panel.cancel_button.disabled
+    panel.cancel_button.click()  # heard while it trains: the kernel is not blocked
+    assert panel.wait(120) and time.monotonic() - began < 120
+    assert panel.tuned is not tuned and panel.tuned.model["stopped"]
+    assert explorer.translator is panel.tuned
+    assert "stopped by Cancel after" in panel.header.value and "Traceback" not in panel.header.value
+    assert not panel.button.disabled and panel.cancel_button.disabled
 
 
 @pytest.mark.engine
@@ -932,27 +1002,42 @@ def test_lens_selector_applies_the_tuned_lens(tiny2):
     np.testing.assert_array_equal(res.top_ids, expected.top_ids)
 
 
-def test_panel_figures_read_on_either_theme():
-    """A panel's figure has no background and its default-coloured text in a grey that
-    reads on the light and the dark theme; a colour set on purpose stays."""
+def test_panel_figures_come_in_both_themes_inks():
+    """A panel's figure travels as two PNGs with no background, one per theme: its
+    default-coloured text dark in the light one and light in the dark one, a colour set on
+    purpose kept in both; the HTML shows the light one unless the page's style sheet says
+    the theme is dark."""
     import base64
     import io
 
+    import numpy as np
     from matplotlib.figure import Figure
     from PIL import Image
 
-    from envoykit.explorer.outputs import NEUTRAL, figure_output
+    from envoykit.explorer.outputs import INK, figure_output
 
     ax = Figure(figsize=(3, 2)).subplots()
-    ax.plot([0, 1], [0, 1], label="a line")
-    ax.set_title("title")
+    ax.plot([0, 1], [0, 1], label="a line", color="tab:blue")
+    ax.set_title("title " + "█" * 20)  # a block of ink to read back
     ax.legend()
     kept = ax.text(0.5, 0.5, "white on purpose", color="white")
-    png = figure_output(ax.figure, "figure")["data"]["image/png"]
-    image = Image.open(io.BytesIO(base64.b64decode(png))).convert("RGBA")
-    assert image.getpixel((0, 0))[3] == 0  # the corner shows the page through
-    assert ax.title.get_color() == NEUTRAL and kept.get_color() == "white"
-    assert ax.get_legend().get_texts()[0].get_color() == NEUTRAL
+    data = figure_output(ax.figure, "figure <b>")["data"]
+    page = data["text/html"]
+    light, dark = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert light == data["image/png"] and light != dark
+    assert re.search(r'class="ek-figure-dark"[^>]*style="display:none"', page)
+    assert 'alt="figure &lt;b&gt;"' in page and "<b>" not in page
+
+    def inked(png: str) -> float:
+        """The mean brightness of the figure's most opaque pixels (its ink)."""
+        rgba = np.asarray(Image.open(io.BytesIO(base64.b64decode(png))).convert("RGBA"))
+        assert rgba[0, 0, 3] == 0  # the corner shows the page through
+        ink = rgba[rgba[..., 3] > 250][:, :3]
+        return float(ink.mean())
+
+    assert inked(light) < 100 < 150 < inked(dark)
+    assert ax.title.get_color() == INK["dark"] and kept.get_color() == "white"
+    assert ax.get_legend().get_texts()[0].get_color() == INK["dark"]
 
 
 def test_diff_cells_are_as_wide_as_their_text():

@@ -110,6 +110,7 @@ class TunedLens:
         seed: int = 0,
         progress: bool = True,
         stop: Any = None,
+        warn: bool = True,
     ) -> TunedLens:
         """Train translators on ``texts`` against ``engine``, the way the tuned lens is
         trained to be trusted: a ``validation`` share of the texts is held out, and the
@@ -124,7 +125,9 @@ class TunedLens:
         another thread) is set: the best translators so far are returned, as at any other
         end, and ``model["stopped"]`` says so. Deterministic given ``seed``. The
         result's ``quality`` is its `LensQuality` on the held-out texts; a warning says so
-        when it beats the logit lens at fewer than half of the layers.
+        when it beats the logit lens at fewer than half of the layers (``warn=False``: the
+        caller says it, as the explorer's training panel does in its header, since a
+        warning from a thread lands under whichever cell ran last).
         """
         from tqdm.auto import tqdm
 
@@ -187,7 +190,7 @@ class TunedLens:
             },
         )
         tuned.quality = quality
-        if tuned.quality.better < 0.5:
+        if warn and tuned.quality.better < 0.5:
             warnings.warn(
                 f"the tuned lens is closer to the final distribution than the logit lens at "
                 f"only {round(tuned.quality.better * n)} of {n} layers on held-out text: "

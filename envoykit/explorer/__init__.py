@@ -9,12 +9,13 @@ together), `attribution_panel` (the direct logit attribution at the selected cel
 `compare_panel` (a second prompt's heatmap to drag cells from, the diff, and which patch a
 drop means), `corpus_panel` (the lens over many documents, summarised per layer),
 `sweep_panel` (a patch sweep with a progress bar), `steering_panel` (a direction from two
-prompt lists, the plain and steered continuations, their diff), `work` (a button's work on a
-thread of its own), `outputs` (figures and messages as plain ipywidgets show them), `export`
-(figures, JSON and the standalone page) and `assets` (the browser modules in ``widgets/``,
-read once). The browser side is framework-free anywidget modules, no build step; state
-crosses between kernel and browser only through named traitlets, so every interaction can be
-driven and checked from Python.
+prompt lists, the plain and steered continuations, their diff), `training_panel` (a tuned
+lens trained within a time budget, with a Cancel), `work` (a button's work on a thread of
+its own, and a status line that counts its seconds), `outputs` (figures and messages as
+plain ipywidgets show them), `export` (figures, JSON and the standalone page) and `assets`
+(the browser modules in ``widgets/``, read once). The browser side is framework-free
+anywidget modules, no build step; state crosses between kernel and browser only through
+named traitlets, so every interaction can be driven and checked from Python.
 """
 
 from envoykit.explorer.assets import widgets_dir
@@ -27,6 +28,7 @@ from envoykit.explorer.export import standalone_html
 from envoykit.explorer.payload import compare_data, heatmap_data, picker_layers, result_layers
 from envoykit.explorer.steering_panel import SteeringPanel
 from envoykit.explorer.sweep_panel import SweepPanel
+from envoykit.explorer.training_panel import TrainingPanel
 from envoykit.explorer.views import AttentionView, Heatmap, LayerPicker
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "LensExplorer",
     "SteeringPanel",
     "SweepPanel",
+    "TrainingPanel",
     "compare_data",
     "heatmap_data",
     "picker_layers",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import html
 import math
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,8 +62,9 @@ from envoykit.explorer.outputs import (
 )
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
 from envoykit.explorer.steering_panel import SteeringPanel
+from envoykit.explorer.training_panel import TrainingPanel
 from envoykit.explorer.views import LayerPicker
-from envoykit.explorer.work import Background
+from envoykit.explorer.work import Background, Ticker, duration
 from envoykit.model.families import sites_of
 from envoykit.results.attribution import AttributionResult
 from envoykit.results.compare import CompareResult
@@ -110,6 +112,8 @@ class LensExplorer(ExplorerLayout):
         # The second prompt of what is shown, and the lens request its heatmap answers.
         self._other: str | None = None
         self._other_request: dict[str, Any] | None = None
+        self._pace: float | None = None  # seconds per row x position of the last Run
+        self._cancelling = threading.Event()  # Cancel was pressed during the Run in flight
 
         if readonly:
             picker = LayerPicker(result_layers(source))
@@ -151,6 +155,7 @@ class LensExplorer(ExplorerLayout):
 
         self.steering_panel = None if readonly else self._add_steering_panel()
         self.corpus_panel = None if readonly else self._add_corpus_panel()
+        self.training_panel = None if readonly else self._add_training_panel()
         self._on_compare()
         self._on_targets()
         if metric in self._metric_keys():
@@ -208,6 +213,12 @@ class LensExplorer(ExplorerLayout):
         self.children = (*self.children, panel)
         return panel
 
+    def _add_training_panel(self) -> TrainingPanel:
+        """Training a tuned lens from the page: once trained, the lens menu offers it."""
+        panel = TrainingPanel(self.engine, self.set_translator)
+        self.children = (*self.children, panel)
+        return panel
+
     # -- actions ---------------------------------------------------------------------------
 
     def run(self) -> LensResult | None:
@@ -245,12 +256,21 @@ class LensExplorer(ExplorerLayout):
 
     def cancel(self) -> bool:
         """Stop the Run in flight (same as pressing Cancel): the ranks stop its lens before
-        their next chunk of work, and the explorer says it was cancelled. Whether a lens
-        was running."""
+        their next chunk of work (a second prompt's lens not begun does not start), and the
+        explorer says it was cancelled. Whether a Run was in flight."""
         if self.engine is None or not self.work.busy:
             return False
+        self._cancelling.set()
         self.status.value = "<i>cancelling…</i>"
-        return self.engine.cancel()
+
+        # A Cancel heard before the lens is on the ranks (while its request is checked and
+        # tokenized) waits for it: `engine.cancel` stops only a lens in flight.
+        def until_cancelled() -> None:
+            while self._cancelling.is_set() and not self.engine.cancel():
+                time.sleep(0.02)
+
+        threading.Thread(target=until_cancelled, name="envoykit-cancel", daemon=True).start()
+        return True
 
     def set_translator(self, translator: TunedLens) -> None:
         """Offer the tuned lens of ``translator`` beside the logit lens (the lens selector
@@ -343,37 +363,43 @@ class LensExplorer(ExplorerLayout):
         self.run_button.disabled, self.cancel_button.disabled = True, False
         self.run_button.description = "Running…"
         self._say("")  # the last run's message is not about this one
-        began = time.strftime("%H:%M:%S")
-        self.status.value = (
-            f"<i>running the lens on {html.escape(self.engine.info.name)} (since {began})…</i>"
-        )
+        cells = self._cells(request, picked, other)
+        expected = None if self._pace is None else self._pace * cells
+        name = html.escape(self.engine.info.name)
+
+        def say(elapsed: float) -> None:
+            if self._cancelling.is_set():
+                self.status.value = "<i>cancelling…</i>"
+                return
+            left = ""
+            if expected is not None:
+                left = (
+                    f", about {duration(expected - elapsed)} left at the last run's pace"
+                    if elapsed < expected
+                    else ", longer than the last run's pace"
+                )
+            self.status.value = f"<i>running the lens on {name}: {duration(elapsed)}{left}…</i>"
+
         # The button comes back only once everything below is drawn: enabled means done.
         try:
-            try:
-                result = rows.keep(self.engine.lens(**request), picked)
-            except Cancelled:
-                return self._refused("cancelled: the lens was stopped on the ranks")
-            except ENGINE_ERRORS as err:
-                return self._refused(str(err))
-            if result is None:
-                return self._refused("the lens holds none of the picked rows")
-            other_request = _other_request(request, other)
-            other_result = None
-            if other_request is not None:
-                if other_request == self._other_request:
-                    other_result = self.other_result
-                else:
-                    try:
-                        other_result = rows.keep(self.engine.lens(**other_request), picked)
-                    except ENGINE_ERRORS as err:
-                        return self._refused(f"second prompt: {err}")
+            began = time.monotonic()
+            with Ticker(say):  # stopped before anything else is said in the status line
+                try:
+                    outcome = self._lenses(request, picked, other)
+                finally:
+                    self._cancelling.clear()
+            if isinstance(outcome, str):
+                return self._refused(outcome)
+            took = time.monotonic() - began
+            self._pace = took / cells
+            result, other_result, other_request = outcome
             self._request, self._rows, self._other = request, picked, other
             self._other_request = other_request
             self.result, self.other_result = result, other_result
             self.heatmap.stale = False
             self.status.value = html.escape(
                 f"{result.run_label}: {len(result.layers)} rows × {len(result.positions)} "
-                f"positions, top-{result.top_ids.shape[-1]}"
+                f"positions, top-{result.top_ids.shape[-1]}; took {duration(took)}"
             )
             self._show()
             self._show_comparison()
@@ -381,6 +407,42 @@ class LensExplorer(ExplorerLayout):
         finally:
             self.run_button.disabled, self.cancel_button.disabled = False, True
             self.run_button.description = "Run"
+
+    def _lenses(
+        self, request: dict[str, Any], picked: list[Row], other: str | None
+    ) -> tuple[LensResult, LensResult | None, dict[str, Any] | None] | str:
+        """The lens of ``request`` and, with a second prompt ``other``, of that one (reused
+        when its request is unchanged), with the ``picked`` rows; or why not, to say."""
+        try:
+            result = rows.keep(self.engine.lens(**request), picked)
+        except Cancelled:
+            return "cancelled: the lens was stopped on the ranks"
+        except ENGINE_ERRORS as err:
+            return str(err)
+        if result is None:
+            return "the lens holds none of the picked rows"
+        other_request = _other_request(request, other)
+        other_result = None
+        if other_request is not None:
+            if other_request == self._other_request:
+                other_result = self.other_result
+            elif self._cancelling.is_set():
+                return "cancelled before the second prompt's lens"
+            else:
+                try:
+                    other_result = rows.keep(self.engine.lens(**other_request), picked)
+                except Cancelled:
+                    return "cancelled: the second prompt's lens was stopped on the ranks"
+                except ENGINE_ERRORS as err:
+                    return f"second prompt: {err}"
+        return result, other_result, other_request
+
+    def _cells(self, request: dict[str, Any], picked: list[Row], other: str | None) -> int:
+        """How many rows × positions a Run of ``request`` reduces (the pace of the last Run,
+        in seconds per cell, gives the time left of the next)."""
+        prompts = [request["prompt"]] + ([other] if other else [])
+        tokens = sum(len(self.engine.tokenizer(text)["input_ids"]) for text in prompts)
+        return max(1, len(picked) * tokens)
 
     def _refused(self, text: str) -> None:
         """Say why the run was refused; what is still drawn is marked as the previous run."""

@@ -75,7 +75,7 @@ class CorpusPanel(widgets.VBox):
         self.texts = widgets.Textarea(
             value="\n".join(shipped_corpus() if texts is None else texts),
             placeholder="documents, one per line",
-            layout={"width": "100%", "height": "90px"},
+            layout={"width": "auto", "height": "90px"},
         )
         self.top_k = widgets.BoundedIntText(
             value=top_k, min=1, max=100, description="top-k", layout={"width": "160px"}

@@ -3,19 +3,17 @@
 The standalone page carries every panel the explorer showed: the interactive heatmap, then
 each other panel (the diff, the trajectory, the attribution, the sweep) as a figure under its
 title. It is a file people share, so nothing from the result is ever parsed as HTML: the
-figures are PNG images, their titles, the prompt and the model name are escaped, and the
-state travels as JSON inside
-``<script type="application/json">`` with ``<``, ``>`` and ``&`` written as ``\\u`` escapes,
-so no token can close the element or open a comment in it. The page's own code
-(``widgets/standalone.js``) arrives as a ``data:`` URL and renders the same ``heatmap.js``
-the widget runs, which builds every node from text.
+figures are PNG images (one per colour scheme), their titles, the prompt and the model name
+are escaped, and the state travels as JSON inside ``<script type="application/json">`` with
+``<``, ``>`` and ``&`` written as ``\\u`` escapes, so no token can close the element or
+open a comment in it. The page's own code (``widgets/standalone.js``) arrives as a ``data:``
+URL and renders the same ``heatmap.js`` the widget runs, which builds every node from text.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 
 from envoykit.errors import InvalidRequest
 from envoykit.explorer.assets import asset, module
+from envoykit.explorer.outputs import figure_html, themed_pngs
 from envoykit.explorer.payload import heatmap_data
 from envoykit.results.lens import LensResult
 
@@ -107,12 +106,9 @@ def _script_json(value: Any) -> str:
 
 
 def _panel_html(title: str, figure: Any) -> str:
-    """A panel of the page: its title (escaped) over its figure, a PNG in a data URL."""
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    png = base64.b64encode(buffer.getvalue()).decode()
+    """A panel of the page: its title (escaped) over its figure, in the ink of the reader's
+    colour scheme (`outputs.figure_html`)."""
     return (
         f'<section class="ek-panel"><h4>{html.escape(title)}</h4>'
-        f'<img alt="{html.escape(title, quote=True)}" src="data:image/png;base64,{png}">'
-        "</section>\n"
+        f"{figure_html(*themed_pngs(figure), title)}</section>\n"
     )

@@ -42,6 +42,7 @@ class ExplorerLayout(widgets.VBox):
         self._build_inputs(prompt, targets, top_k, compare_with, metric_options, readonly)
         self._build_views(picker)
         super().__init__(self._arrange())
+        self.add_class("ek-explorer")  # the page's handle on the whole explorer
 
     def _build_inputs(
         self,
@@ -55,7 +56,7 @@ class ExplorerLayout(widgets.VBox):
         self.prompt = widgets.Textarea(
             value=prompt,
             placeholder="prompt",
-            layout=widgets.Layout(width="100%", height="70px"),
+            layout=widgets.Layout(width="auto", height="70px"),
             disabled=readonly,
         )
         self.targets = widgets.Text(
@@ -63,7 +64,7 @@ class ExplorerLayout(widgets.VBox):
             description="targets",
             placeholder="comma-separated, spaces kept: ' Paris, London'",
             disabled=readonly,
-            layout=widgets.Layout(width="100%"),
+            layout=widgets.Layout(width="auto"),
         )
         self.tokenization = widgets.HTML()
         self.metric = widgets.Dropdown(description="metric", options=metric_options)
@@ -115,7 +116,7 @@ class ExplorerLayout(widgets.VBox):
             value=compare_with,
             placeholder="second prompt: compared with the first; drag a cell of its heatmap "
             "onto the first's to patch it in",
-            layout=widgets.Layout(width="100%", height="50px"),
+            layout=widgets.Layout(width="auto", height="50px"),
             disabled=readonly,
         )
 

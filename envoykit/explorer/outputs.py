@@ -1,5 +1,5 @@
 """What the explorer's plain ipywidgets show: a figure or a line of text in an ``Output``,
-a message in an ``HTML`` widget. A figure is drawn for either JupyterLab theme (`neutral`).
+a message in an ``HTML`` widget. A figure comes in both JupyterLab themes' inks (`figure_output`).
 
 ipywidgets' ``HTML`` renders its value as markup, so a message is escaped: it may quote a
 token or a prompt. The explorer sets ``Output.outputs`` directly instead of printing inside
@@ -22,45 +22,70 @@ from envoykit.errors import EnvoykitError
 ENGINE_ERRORS = (EnvoykitError, RuntimeError)
 
 
-# The grey of a panel figure's text, axes and legend: legible on the light and the dark
-# theme alike, since the kernel does not know which one the page shows.
-NEUTRAL = "#8c8c8c"
+# The ink of a panel figure's default-coloured text, ticks, spines and legend frame on each
+# JupyterLab theme (near its --jp-ui-font-color1).
+INK = {"light": "#212121", "dark": "#dedede"}
 
 
 def figure_output(figure: Any, text: str) -> dict[str, Any]:
-    """``figure`` as a PNG for either theme (`neutral`); ``text`` is its plain-text
-    stand-in."""
-    neutral(figure)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", transparent=True)
+    """``figure`` drawn in both themes' inks (`themed_pngs`), as HTML that shows the one of
+    the page's theme (`figure_html`); ``image/png`` (the light one) and ``text`` for a
+    front end without HTML."""
+    light, dark = themed_pngs(figure)
     return {
         "output_type": "display_data",
-        "data": {"image/png": base64.b64encode(buffer.getvalue()).decode(), "text/plain": text},
+        "data": {
+            "text/html": figure_html(light, dark, text),
+            "image/png": light,
+            "text/plain": text,
+        },
         "metadata": {},
     }
 
 
-def neutral(figure: Any) -> None:
-    """Make ``figure`` readable on a light or a dark page: no background, and every piece
-    of text, tick, spine and legend frame drawn in the default colour turned `NEUTRAL`
-    (text given a colour of its own, such as a cell's contrast colour, is left alone)."""
+def figure_html(light: str, dark: str, alt: str) -> str:
+    """Two images of one figure (base64 PNGs); ``explorer.css`` shows the dark one under
+    JupyterLab's dark theme (``body[data-jp-theme-light="false"]``) or, on the standalone
+    page, a dark colour scheme. Without that style sheet the light one shows alone."""
+    alt = html.escape(alt, quote=True)
+    return (
+        f'<div class="ek-figure"><img class="ek-figure-light" alt="{alt}" '
+        f'src="data:image/png;base64,{light}"><img class="ek-figure-dark" alt="{alt}" '
+        f'style="display:none" src="data:image/png;base64,{dark}"></div>'
+    )
+
+
+def themed_pngs(figure: Any) -> tuple[str, str]:
+    """``figure`` as two base64 PNGs with no background, for the light and the dark theme:
+    every piece of text, tick, spine and legend frame drawn in the default colour is inked
+    `INK` of that theme (text given a colour of its own, such as a cell's contrast colour,
+    keeps it). The kernel does not know which theme the page shows, and the page may switch
+    at any time, so both travel."""
     import matplotlib
     from matplotlib.colors import same_color
     from matplotlib.text import Text
 
     default = matplotlib.rcParams["text.color"]
-    for item in figure.findobj(Text):
-        if same_color(item.get_color(), default):
-            item.set_color(NEUTRAL)
+    texts = [item for item in figure.findobj(Text) if same_color(item.get_color(), default)]
+    legends = [ax.get_legend() for ax in figure.axes if ax.get_legend() is not None]
     for ax in figure.axes:
         ax.set_facecolor("none")
-        ax.tick_params(colors=NEUTRAL, which="both")
-        for spine in ax.spines.values():
-            spine.set_edgecolor(NEUTRAL)
-        legend = ax.get_legend()
-        if legend is not None:
-            legend.get_frame().set_facecolor("none")
-            legend.get_frame().set_edgecolor(NEUTRAL)
+    for legend in legends:
+        legend.get_frame().set_facecolor("none")
+    pngs = []
+    for colour in (INK["light"], INK["dark"]):
+        for item in texts:
+            item.set_color(colour)
+        for ax in figure.axes:
+            ax.tick_params(colors=colour, which="both")
+            for spine in ax.spines.values():
+                spine.set_edgecolor(colour)
+        for legend in legends:
+            legend.get_frame().set_edgecolor(colour)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", transparent=True)
+        pngs.append(base64.b64encode(buffer.getvalue()).decode())
+    return pngs[0], pngs[1]
 
 
 def text_output(text: str) -> dict[str, Any]:

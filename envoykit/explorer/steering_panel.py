@@ -67,7 +67,7 @@ class SteeringPanel(widgets.VBox):
         self.engine = engine
         n_layers = engine.info.n_layers
         self.prompt = widgets.Textarea(
-            value=prompt, placeholder="prompt to steer", layout={"width": "100%", "height": "50px"}
+            value=prompt, placeholder="prompt to steer", layout={"width": "auto", "height": "50px"}
         )
         self.targets = widgets.Text(
             value=",".join(targets), description="targets", placeholder="' good, bad'"

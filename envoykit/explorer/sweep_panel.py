@@ -29,7 +29,7 @@ import numpy as np
 
 from envoykit import plot
 from envoykit.explorer.outputs import ENGINE_ERRORS, figure_output, message_html
-from envoykit.explorer.work import Background
+from envoykit.explorer.work import Background, Ticker, duration, time_left
 from envoykit.results.sweep import SweepResult
 
 TITLE = "Patch sweep"
@@ -115,18 +115,25 @@ class SweepPanel(widgets.VBox):
                 if self._cancel.is_set():
                     self.say(
                         f"cancelled after {len(parts)} of {len(layers)} rows "
-                        f"({_duration(time.monotonic() - began)}); the engine is free",
+                        f"({duration(time.monotonic() - began)}); the engine is free",
                         error=True,
                     )
                     return None
-                self._head(
-                    f"layer {layer}: row {len(parts) + 1} of {len(layers)}; "
-                    + _times(time.monotonic() - began, len(parts), len(layers))
-                )
+                row, done = f"layer {layer}: row {len(parts) + 1} of {len(layers)}", len(parts)
+                so_far = time.monotonic() - began
                 try:
-                    part = engine.patch_sweep(
-                        source, target, layers=[layer], target_token=target_token, progress=False
-                    )
+                    with Ticker(
+                        lambda elapsed, row=row, done=done, so_far=so_far: self._head(
+                            f"{row}; {time_left(so_far + elapsed, done, len(layers))}"
+                        )
+                    ):
+                        part = engine.patch_sweep(
+                            source,
+                            target,
+                            layers=[layer],
+                            target_token=target_token,
+                            progress=False,
+                        )
                 except ENGINE_ERRORS as err:
                     self.say(str(err), error=True)
                     return None
@@ -154,7 +161,7 @@ class SweepPanel(widgets.VBox):
             f"{res.label} at the first prompt's last position after copying the second "
             f"prompt's residual stream at each layer and position (clean {res.clean:.3g}, "
             f"second prompt {res.source_value:.3g})"
-            + ("" if took is None else f"; took {_duration(took)}")
+            + ("" if took is None else f"; took {duration(took)}")
         )
 
     def say(self, text: str, *, error: bool = False) -> None:
@@ -165,17 +172,3 @@ class SweepPanel(widgets.VBox):
 
     def _head(self, text: str, *, error: bool = False) -> None:
         self.header.value = f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error)}"
-
-
-def _times(elapsed: float, done: int, total: int) -> str:
-    """Elapsed time, and the time left at the pace so far once a row has run."""
-    if not done:
-        return f"{_duration(elapsed)} so far"
-    left = elapsed / done * (total - done)
-    return f"{_duration(elapsed)} so far, about {_duration(left)} left"
-
-
-def _duration(seconds: float) -> str:
-    """``seconds`` for people: ``"42 s"``, ``"3 min 05 s"``."""
-    seconds = max(0, round(seconds))
-    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"

@@ -1,4 +1,5 @@
-"""`Background`: a button's work on a thread of its own, so the kernel stays free.
+"""`Background`: a button's work on a thread of its own, so the kernel stays free; `Ticker`:
+its status line counting the seconds meanwhile.
 
 A widget callback runs on the kernel's main thread: while it runs, the notebook can run no
 cell and the kernel hears no other click (a Cancel pressed during a sweep would wait for the
@@ -11,6 +12,7 @@ cell, so it is shown where the work reports.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,3 +48,45 @@ class Background:
         if self._thread is not None:
             self._thread.join(timeout)
         return not self.busy
+
+
+class Ticker:
+    """Calls ``say(elapsed_seconds)`` now and every ``every`` seconds, on a daemon thread,
+    while a ``with`` block runs: a status line that keeps counting while one request holds
+    the worker thread. Nothing is said once the block has ended."""
+
+    def __init__(self, say: Callable[[float], None], every: float = 1.0) -> None:
+        self._say, self._every = say, every
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Ticker:
+        began = time.monotonic()
+        self._say(0.0)
+
+        def tick() -> None:
+            while not self._stop.wait(self._every):
+                self._say(time.monotonic() - began)
+
+        self._thread = threading.Thread(target=tick, name="envoykit-ticker", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` for people: ``"42 s"``, ``"3 min 05 s"``."""
+    seconds = max(0, round(seconds))
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
+
+
+def time_left(elapsed: float, done: float, total: float) -> str:
+    """Elapsed time, and the time left at the pace so far once some of ``total`` is done."""
+    if not done:
+        return f"{duration(elapsed)} so far"
+    left = elapsed / done * (total - done)
+    return f"{duration(elapsed)} so far, about {duration(left)} left"

@@ -1022,13 +1022,24 @@ def sweep(page: Any, state: Callable[[], dict]) -> None:
 
 
 def cancel_a_sweep(page: Any, state: Callable[[], dict]) -> None:
-    """Sweep again and press Cancel as soon as it can be pressed: the sweep stops after the
+    """Press Sweep, then Cancel the moment it can be pressed (a sweep of ``tiny`` takes
+    about 2 s, too little for Playwright's own click to land in): the sweep stops after the
     row in flight, its header says so with no traceback, the bar stays short of full, and
     Sweep is back while Cancel is not."""
     sweep_button = page.locator("button.widget-button", has_text="Sweep")
-    sweep_button.click()
     cancel = page.locator(".ek-sweep button.widget-button", has_text="Cancel")
-    cancel.click()  # Playwright waits until it is enabled: the sweep has begun
+    page.evaluate(
+        """() => new Promise(resolve => {
+            const buttons = [...document.querySelectorAll('.ek-sweep button.widget-button')];
+            const named = text => buttons.find(b => b.textContent.includes(text));
+            const cancel = named('Cancel');
+            const watch = new MutationObserver(() => {
+                if (!cancel.disabled) { watch.disconnect(); cancel.click(); resolve(); }
+            });
+            watch.observe(cancel, {attributes: true});
+            named('Sweep').click();
+        })"""
+    )
     header = page.locator(".ek-sweep .widget-html").first
     wait_for(lambda: "cancelled after" in header.inner_text(), 120, "the cancelled sweep")
     assert "Traceback" not in page.locator(".ek-sweep").inner_text()
@@ -1138,7 +1149,8 @@ def unpin_tuned_refused_and_dark(page: Any, state: Callable[[], dict], run_butto
     wait_for(lambda: (s := state()).get("message") == "" and "rows" in s["status"], 120, "a Run")
     wait_for(lambda: stale.count() == 0, 30, "the heatmap undimmed")
 
-    assert page.locator(".ek-figure").count() >= 3  # the trajectory, attribution and sweep
+    for panel in (".ek-trajectory", ".ek-sweep"):  # figures on screen at this point
+        assert page.locator(f"{panel} .ek-figure").count() == 1, panel
     assert page.evaluate(SHOWN_FIGURES) == ["light"] * page.locator(".ek-figure").count()
     dark_theme(page)
     page.wait_for_function(

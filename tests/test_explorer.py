@@ -1036,6 +1036,8 @@ def test_panel_figures_come_in_both_themes_inks():
         return float(ink.mean())
 
     assert inked(light) < 100 < 150 < inked(dark)
+    again = figure_output(ax.figure, "figure <b>")["data"]  # the export draws it again
+    assert (again["image/png"], again["text/html"]) == (light, page)
     assert ax.title.get_color() == INK["dark"] and kept.get_color() == "white"
     assert ax.get_legend().get_texts()[0].get_color() == INK["dark"]
 

@@ -25,6 +25,8 @@ ENGINE_ERRORS = (EnvoykitError, RuntimeError)
 # The ink of a panel figure's default-coloured text, ticks, spines and legend frame on each
 # JupyterLab theme (near its --jp-ui-font-color1).
 INK = {"light": "#212121", "dark": "#dedede"}
+# The mark of a text `themed_pngs` inked: it no longer has the default colour.
+_INKED = "_envoykit_inked"
 
 
 def figure_output(figure: Any, text: str) -> dict[str, Any]:
@@ -66,7 +68,11 @@ def themed_pngs(figure: Any) -> tuple[str, str]:
     from matplotlib.text import Text
 
     default = matplotlib.rcParams["text.color"]
-    texts = [item for item in figure.findobj(Text) if same_color(item.get_color(), default)]
+    texts = [
+        item
+        for item in figure.findobj(Text)
+        if getattr(item, _INKED, False) or same_color(item.get_color(), default)
+    ]
     legends = [ax.get_legend() for ax in figure.axes if ax.get_legend() is not None]
     for ax in figure.axes:
         ax.set_facecolor("none")
@@ -76,6 +82,7 @@ def themed_pngs(figure: Any) -> tuple[str, str]:
     for colour in (INK["light"], INK["dark"]):
         for item in texts:
             item.set_color(colour)
+            setattr(item, _INKED, True)  # drawn again (the export), it is inked again
         for ax in figure.axes:
             ax.tick_params(colors=colour, which="both")
             for spine in ax.spines.values():

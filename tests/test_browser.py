@@ -15,6 +15,7 @@ dark theme. Screenshots land in ``artifacts/`` (git-ignored).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -463,6 +464,33 @@ def _children(pid: int) -> list[psutil.Process]:
     return process.children(recursive=True) if process else []
 
 
+@contextlib.contextmanager
+def read_only_explorer(
+    browser: Any, tmp_path: Path, res: ek.LensResult, name: str, viewport: dict[str, int]
+) -> Iterator[Any]:
+    """A page of ``viewport`` in JupyterLab showing ``LensExplorer(res)`` read-only, from a
+    stored copy of ``res``, drawn; a failure inside leaves ``{name}_failure.png``."""
+    stored = tmp_path / "result.json"
+    res.to_json(str(stored))
+    work = tmp_path / "work"
+    work.mkdir()
+    notebook = READ_ONLY_NOTEBOOK.read_text().replace("__RESULT__", str(stored))
+    (work / "readonly.ipynb").write_text(notebook)
+    lab = Lab(tmp_path)
+    page = browser.new_page(viewport=viewport)
+    try:
+        open_and_run(page, lab, "readonly.ipynb", "notebook:run-all-cells")
+        page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=120000)
+        yield page
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"{name}_failure.png"))
+        raise
+    finally:
+        page.close()
+        lab.stop()
+
+
 def dark_theme(page: Any) -> None:
     """Switch JupyterLab to its dark theme, as a person does from the Settings menu."""
     page.evaluate(
@@ -495,18 +523,9 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
     heatmap, the metric menu and the legend show it as text and run nothing; switched to
     JupyterLab Dark, the heatmap follows the theme."""
     res = hostile_result()
-    stored = tmp_path / "hostile.json"
-    res.to_json(str(stored))
-    work = tmp_path / "work"
-    work.mkdir()
-    notebook = READ_ONLY_NOTEBOOK.read_text().replace("__RESULT__", str(stored))
-    (work / "readonly.ipynb").write_text(notebook)
     started = time.monotonic()
-    lab = Lab(tmp_path)
-    page = browser.new_page(viewport={"width": 1200, "height": 900})
-    try:
-        open_and_run(page, lab, "readonly.ipynb", "notebook:run-all-cells")
-        page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=120000)
+    viewport = {"width": 1200, "height": 900}
+    with read_only_explorer(browser, tmp_path, res, "explorer_read_only", viewport) as page:
         assert_model_text_is_text(page, res, MAIN)
 
         menu = page.locator(".ek-metric select")
@@ -561,13 +580,6 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
         assert css_luminance(tip.evaluate("el => getComputedStyle(el).color")) > 0.8
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "explorer_read_only_dark.png"))
-    except Exception:
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "explorer_read_only_failure.png"))
-        raise
-    finally:
-        page.close()
-        lab.stop()
     print(f"read-only explorer in JupyterLab: {time.monotonic() - started:.1f} s")
 
 
@@ -584,18 +596,8 @@ def test_explorer_layout_fits_thirty_layers(browser, tmp_path):
     the picker shows the embedding and all 30 layers with every label whole and no sideways
     scroll, there is no scrollbar anywhere in the explorer, and every control's label is
     whole."""
-    res = synthetic_result(31, 8)
-    stored = tmp_path / "thirty.json"
-    res.to_json(str(stored))
-    work = tmp_path / "work"
-    work.mkdir()
-    notebook = READ_ONLY_NOTEBOOK.read_text().replace("__RESULT__", str(stored))
-    (work / "readonly.ipynb").write_text(notebook)
-    lab = Lab(tmp_path)
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    try:
-        open_and_run(page, lab, "readonly.ipynb", "notebook:run-all-cells")
-        page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=120000)
+    res, viewport = synthetic_result(31, 8), {"width": 1280, "height": 900}
+    with read_only_explorer(browser, tmp_path, res, "explorer_thirty_layers", viewport) as page:
         labels = page.locator(".ek-picker .ek-layer:not(.ek-names) .ek-layer-label")
         assert labels.all_inner_texts() == ["embed"] + [str(n) for n in range(1, 31)]
         cut = labels.evaluate_all(
@@ -613,13 +615,6 @@ def test_explorer_layout_fits_thirty_layers(browser, tmp_path):
         assert clipped == []
         ARTIFACTS.mkdir(exist_ok=True)
         explorer.screenshot(path=str(ARTIFACTS / "explorer_thirty_layers.png"))
-    except Exception:
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "explorer_thirty_layers_failure.png"))
-        raise
-    finally:
-        page.close()
-        lab.stop()
 
 
 def hostile_attention() -> ek.AttentionResult:
@@ -1066,6 +1061,42 @@ def shows(page: Any, text: str) -> None:
     wait_for(found.is_visible, 30, f"{text!r} on screen")
 
 
+# Press the button matching ``selector`` the moment it is enabled (a person's click, without
+# the round trips of Playwright's checks before it), then ``press``: resolves once clicked.
+CLICK_WHEN_ENABLED = """([selector, press]) => new Promise(resolve => {
+    const target = document.querySelector(selector);
+    const watch = new MutationObserver(() => {
+        if (!target.disabled) { watch.disconnect(); target.click(); resolve(); }
+    });
+    watch.observe(target, {attributes: true});
+    document.querySelector(press).click();
+})"""
+
+
+def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_button: Any) -> None:
+    """A Run of a long prompt, cancelled the moment Cancel can be pressed: the lens stops on
+    the ranks, the explorer says "cancelled" with no traceback, dims the heatmap it leaves,
+    and gives Run back; the next Run draws. Whether the lens (under a second on ``tiny``)
+    ends before the Cancel lands is not in the test's hands, so that case tries again."""
+    prompt_box.fill("The capital of France is " * 32)
+    for _ in range(3):
+        # Resolved once Cancel is pressed: Run is disabled by then (the kernel disables it
+        # before it enables Cancel), and enabled again only once the Run has ended.
+        page.evaluate(CLICK_WHEN_ENABLED, [".ek-run-cancel", ".ek-explorer .mod-primary"])
+        wait_for(run_button.is_enabled, 120, "the Run to end")
+        if "cancelled" in state()["message"]:
+            break
+    else:
+        raise AssertionError("three Runs ended before their Cancel landed")
+    shows(page, "cancelled: the lens was stopped on the ranks")
+    assert page.locator(".ek-main-heatmap.ek-stale").count() == 1
+    assert "Traceback" not in page.locator(".ek-explorer").inner_text()
+    assert page.locator(".ek-run-cancel").is_disabled()
+    prompt_box.fill(PROMPT)
+    run_button.click()
+    wait_for(lambda: "took" in state()["status"] and not state()["message"], 120, "a Run")
+
+
 # The computed colour of ``el``, and that of JupyterLab's warning colour on this page.
 COLOUR_AND_WARNING = """el => {
     const probe = document.createElement('span');
@@ -1136,6 +1167,7 @@ def unpin_tuned_refused_and_dark(page: Any, state: Callable[[], dict], run_butto
 
     several_tokens_and_a_trailing_comma(page)
     prompt_box = page.locator(".widget-textarea textarea").first
+    cancel_a_run(page, state, prompt_box, run_button)
     prompt_box.fill("")
     run_button.click()
     wait_for(lambda: "the prompt is empty" in state().get("message", ""), 60, "the refusal")

@@ -407,8 +407,11 @@ def test_demo_tp3_collect_and_lens_corpus_equal_per_prompt_traces(demo3, tmp_pat
             last = model.model.layers[29].output
             mid = (mid[0] + mid[1]).save()
             last = (last[0] + last[1]).save()
-        torch.testing.assert_close(store.document(doc, 10), mid, atol=1e-5, rtol=0)
-        torch.testing.assert_close(store.document(doc, 30), last, atol=1e-5, rtol=0)
+        # A document prefilled among others rounds differently in float32 from the same
+        # document alone (other GEMM shapes; vLLM may split a prefill over two steps): seen
+        # up to 7e-4 apart. So `TOL` of the stream's largest value, as elsewhere here.
+        assert_stream_close(store.document(doc, 10), mid)
+        assert_stream_close(store.document(doc, 30), last)
     res = demo3.lens_corpus(texts, progress=False)
     expected = per_prompt_statistics(demo3.lens(texts, top_k=1), 1)
     np.testing.assert_allclose(res.kl, expected["kl"], atol=1e-6)

@@ -104,6 +104,7 @@ class ExplorerLayout(widgets.VBox):
             tooltip="stop the lens on the ranks before its next chunk of work",
             layout=widgets.Layout(display="none" if readonly else None),
         )
+        self.cancel_button.add_class("ek-run-cancel")  # the page's handle, beside other Cancels
         self.status = widgets.HTML("read-only: a stored LensResult" if readonly else "")
         self.message = widgets.HTML()
         self.compare = widgets.Checkbox(

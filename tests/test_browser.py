@@ -465,22 +465,27 @@ def _children(pid: int) -> list[psutil.Process]:
 
 
 @contextlib.contextmanager
-def read_only_explorer(
-    browser: Any, tmp_path: Path, res: ek.LensResult, name: str, viewport: dict[str, int]
+def stored_in_lab(
+    browser: Any,
+    tmp_path: Path,
+    res: Any,
+    template: Path,
+    name: str,
+    viewport: dict[str, int],
 ) -> Iterator[Any]:
-    """A page of ``viewport`` in JupyterLab showing ``LensExplorer(res)`` read-only, from a
-    stored copy of ``res``, drawn; a failure inside leaves ``{name}_failure.png``."""
+    """A page of ``viewport`` in JupyterLab, every cell of a copy of notebook ``template``
+    run, its ``__RESULT__`` a stored copy of ``res`` (a read-only view: no engine); a
+    failure inside leaves ``{name}_failure.png``."""
     stored = tmp_path / "result.json"
     res.to_json(str(stored))
     work = tmp_path / "work"
     work.mkdir()
-    notebook = READ_ONLY_NOTEBOOK.read_text().replace("__RESULT__", str(stored))
-    (work / "readonly.ipynb").write_text(notebook)
+    notebook = template.read_text().replace("__RESULT__", str(stored))
+    (work / template.name).write_text(notebook)
     lab = Lab(tmp_path)
     page = browser.new_page(viewport=viewport)
     try:
-        open_and_run(page, lab, "readonly.ipynb", "notebook:run-all-cells")
-        page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=120000)
+        open_and_run(page, lab, template.name, "notebook:run-all-cells")
         yield page
     except Exception:
         ARTIFACTS.mkdir(exist_ok=True)
@@ -525,7 +530,9 @@ def test_read_only_explorer_in_jupyterlab(browser, tmp_path):
     res = hostile_result()
     started = time.monotonic()
     viewport = {"width": 1200, "height": 900}
-    with read_only_explorer(browser, tmp_path, res, "explorer_read_only", viewport) as page:
+    notebook, name = READ_ONLY_NOTEBOOK, "explorer_read_only"
+    with stored_in_lab(browser, tmp_path, res, notebook, name, viewport) as page:
+        page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=120000)
         assert_model_text_is_text(page, res, MAIN)
 
         menu = page.locator(".ek-metric select")
@@ -597,7 +604,9 @@ def test_explorer_layout_fits_thirty_layers(browser, tmp_path):
     scroll, there is no scrollbar anywhere in the explorer, and every control's label is
     whole."""
     res, viewport = synthetic_result(31, 8), {"width": 1280, "height": 900}
-    with read_only_explorer(browser, tmp_path, res, "explorer_thirty_layers", viewport) as page:
+    notebook, name = READ_ONLY_NOTEBOOK, "explorer_thirty_layers"
+    with stored_in_lab(browser, tmp_path, res, notebook, name, viewport) as page:
+        page.wait_for_selector(f"{MAIN}[data-drawn]", timeout=120000)
         labels = page.locator(".ek-picker .ek-layer:not(.ek-names) .ek-layer-label")
         assert labels.all_inner_texts() == ["embed"] + [str(n) for n in range(1, 31)]
         cut = labels.evaluate_all(
@@ -639,18 +648,9 @@ def test_attention_view_in_jupyterlab(browser, tmp_path):
     a click on a head reaches the kernel and comes back as that head's pattern with the
     tokens as text on both axes, hovering a token lights up its row and its column, nothing
     in the text runs, and JupyterLab Dark darkens the view."""
-    res = hostile_attention()
-    stored = tmp_path / "attention.json"
-    res.to_json(str(stored))
-    work = tmp_path / "work"
-    work.mkdir()
-    notebook = ATTENTION_NOTEBOOK.read_text().replace("__RESULT__", str(stored))
-    (work / "attention.ipynb").write_text(notebook)
-    lab = Lab(tmp_path)
-    page = browser.new_page(viewport={"width": 1200, "height": 900})
-    view = ".ek-attention"
-    try:
-        open_and_run(page, lab, "attention.ipynb", "notebook:run-all-cells")
+    res, view, viewport = hostile_attention(), ".ek-attention", {"width": 1200, "height": 900}
+    notebook, name = ATTENTION_NOTEBOOK, "attention_view"
+    with stored_in_lab(browser, tmp_path, res, notebook, name, viewport) as page:
         page.wait_for_selector(f"{view}[data-drawn='6']", timeout=120000)
         assert page.locator(f"{view} .ek-att-cell").count() == 6
         page.locator(f"{view} .ek-att-cell[data-layer='2'][data-head='1']").click()
@@ -684,13 +684,6 @@ def test_attention_view_in_jupyterlab(browser, tmp_path):
         )
         page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30000)
         page.locator(view).screenshot(path=str(ARTIFACTS / "attention_view_dark.png"))
-    except Exception:
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "attention_view_failure.png"))
-        raise
-    finally:
-        page.close()
-        lab.stop()
 
 
 @pytest.mark.engine

@@ -1004,9 +1004,9 @@ def test_lens_selector_applies_the_tuned_lens(tiny2):
 
 def test_panel_figures_come_in_both_themes_inks():
     """A panel's figure travels as two PNGs with no background, one per theme: its
-    default-coloured text dark in the light one and light in the dark one, a colour set on
-    purpose kept in both; the HTML shows the light one unless the page's style sheet says
-    the theme is dark."""
+    default-coloured text and black lines dark in the light one and light in the dark one,
+    a colour set on purpose and text written in the data kept in both; the HTML shows the
+    light one unless the page's style sheet says the theme is dark."""
     import base64
     import io
 
@@ -1021,6 +1021,8 @@ def test_panel_figures_come_in_both_themes_inks():
     ax.set_title("title " + "█" * 20)  # a block of ink to read back
     ax.legend()
     kept = ax.text(0.5, 0.5, "white on purpose", color="white")
+    on_a_cell = ax.text(0.2, 0.2, "written on a cell")  # data text keeps its colour
+    total = ax.axhline(0.5, color="k", linestyle=":")  # a black line is inked
     data = figure_output(ax.figure, "figure <b>")["data"]
     page = data["text/html"]
     light, dark = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
@@ -1040,6 +1042,7 @@ def test_panel_figures_come_in_both_themes_inks():
     assert (again["image/png"], again["text/html"]) == (light, page)
     assert ax.title.get_color() == INK["dark"] and kept.get_color() == "white"
     assert ax.get_legend().get_texts()[0].get_color() == INK["dark"]
+    assert total.get_color() == INK["dark"] and on_a_cell.get_color() == "black"
 
 
 def test_diff_cells_are_as_wide_as_their_text():

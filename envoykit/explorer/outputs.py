@@ -58,21 +58,24 @@ def figure_html(light: str, dark: str, alt: str) -> str:
 
 
 def themed_pngs(figure: Any) -> tuple[str, str]:
-    """``figure`` as two base64 PNGs with no background, for the light and the dark theme:
-    every piece of text, tick, spine and legend frame drawn in the default colour is inked
-    `INK` of that theme (text given a colour of its own, such as a cell's contrast colour,
-    keeps it). The kernel does not know which theme the page shows, and the page may switch
-    at any time, so both travel."""
-    import matplotlib
-    from matplotlib.colors import same_color
+    """``figure`` as two base64 PNGs with no background, for the light and the dark theme.
+
+    What is drawn in the default ink (black) is inked `INK` of each theme: titles, labels,
+    tick labels, legend text, ticks, spines, legend frames and black lines (a running sum, a
+    total). Text placed in the data (``ax.text``: a token written on a heatmap cell) keeps
+    its colour, since the cell under it does not change with the theme, and so does
+    anything given a colour of its own. The kernel does not know which theme the page
+    shows, and the page may switch at any time, so both travel."""
+    from matplotlib.lines import Line2D
     from matplotlib.text import Text
 
-    default = matplotlib.rcParams["text.color"]
+    placed = {id(text) for ax in figure.axes for text in ax.texts}
     texts = [
         item
         for item in figure.findobj(Text)
-        if getattr(item, _INKED, False) or same_color(item.get_color(), default)
+        if id(item) not in placed and _default_ink(item, item.get_color())
     ]
+    lines = [item for item in figure.findobj(Line2D) if _default_ink(item, item.get_color())]
     legends = [ax.get_legend() for ax in figure.axes if ax.get_legend() is not None]
     for ax in figure.axes:
         ax.set_facecolor("none")
@@ -82,6 +85,11 @@ def themed_pngs(figure: Any) -> tuple[str, str]:
     for colour in (INK["light"], INK["dark"]):
         for item in texts:
             item.set_color(colour)
+        for line in lines:
+            line.set_color(colour)
+            line.set_markerfacecolor(colour)
+            line.set_markeredgecolor(colour)
+        for item in (*texts, *lines):
             setattr(item, _INKED, True)  # drawn again (the export), it is inked again
         for ax in figure.axes:
             ax.tick_params(colors=colour, which="both")
@@ -93,6 +101,14 @@ def themed_pngs(figure: Any) -> tuple[str, str]:
         figure.savefig(buffer, format="png", transparent=True)
         pngs.append(base64.b64encode(buffer.getvalue()).decode())
     return pngs[0], pngs[1]
+
+
+def _default_ink(item: Any, colour: Any) -> bool:
+    """Whether ``item`` is drawn in the default ink, or was inked by `themed_pngs`."""
+    import matplotlib
+    from matplotlib.colors import same_color
+
+    return getattr(item, _INKED, False) or same_color(colour, matplotlib.rcParams["text.color"])
 
 
 def text_output(text: str) -> dict[str, Any]:

@@ -869,6 +869,20 @@ def pick_sites_and_run(page: Any, state: Callable[[], dict], run_button: Any) ->
         expected += [f"{i}.mid", str(i)]
     expected += [f"{n}.attn", f"{n}.mid", str(n)]
     assert labels == expected
+    # The trajectory over those rows is drawn, loaded and whole inside the explorer
+    # (tests/test_result.py checks the figure's own lines, markers and ticks).
+    figure = page.locator(f".ek-trajectory {FIGURE}")
+    figure.scroll_into_view_if_needed()
+    page.wait_for_function(
+        "sel => { const img = document.querySelector(sel); return img?.complete"
+        " && img.naturalWidth > 0; }",
+        arg=f".ek-trajectory {FIGURE}",
+        timeout=30000,
+    )
+    box, frame = figure.bounding_box(), page.locator(".ek-explorer").bounding_box()
+    assert frame["x"] <= box["x"] and box["x"] + box["width"] <= frame["x"] + frame["width"]
+    ARTIFACTS.mkdir(exist_ok=True)
+    figure.screenshot(path=str(ARTIFACTS / "explorer_trajectory_sites.png"))
     return labels
 
 

@@ -1023,25 +1023,25 @@ def sweep(page: Any, state: Callable[[], dict]) -> None:
     page.locator(".ek-sweep").screenshot(path=str(ARTIFACTS / "explorer_sweep.png"))
 
 
+# Press button ``press``, then button ``target`` the moment it is enabled (a person's click,
+# without the round trips of Playwright's checks before it): resolves once clicked.
+CLICK_WHEN_ENABLED = """([target, press]) => new Promise(resolve => {
+    const watch = new MutationObserver(() => {
+        if (!target.disabled) { watch.disconnect(); target.click(); resolve(); }
+    });
+    watch.observe(target, {attributes: true});
+    press.click();
+})"""
+
+
 def cancel_a_sweep(page: Any, state: Callable[[], dict]) -> None:
     """Press Sweep, then Cancel the moment it can be pressed (a sweep of ``tiny`` takes
     about 2 s, too little for Playwright's own click to land in): the sweep stops after the
     row in flight, its header says so with no traceback, the bar stays short of full, and
     Sweep is back while Cancel is not."""
-    sweep_button = page.locator("button.widget-button", has_text="Sweep")
+    sweep_button = page.locator(".ek-sweep button.widget-button", has_text="Sweep")
     cancel = page.locator(".ek-sweep button.widget-button", has_text="Cancel")
-    page.evaluate(
-        """() => new Promise(resolve => {
-            const buttons = [...document.querySelectorAll('.ek-sweep button.widget-button')];
-            const named = text => buttons.find(b => b.textContent.includes(text));
-            const cancel = named('Cancel');
-            const watch = new MutationObserver(() => {
-                if (!cancel.disabled) { watch.disconnect(); cancel.click(); resolve(); }
-            });
-            watch.observe(cancel, {attributes: true});
-            named('Sweep').click();
-        })"""
-    )
+    page.evaluate(CLICK_WHEN_ENABLED, [cancel.element_handle(), sweep_button.element_handle()])
     header = page.locator(".ek-sweep .widget-html").first
     wait_for(lambda: "cancelled after" in header.inner_text(), 120, "the cancelled sweep")
     assert "Traceback" not in page.locator(".ek-sweep").inner_text()
@@ -1068,18 +1068,6 @@ def shows(page: Any, text: str) -> None:
     wait_for(found.is_visible, 30, f"{text!r} on screen")
 
 
-# Press the button matching ``selector`` the moment it is enabled (a person's click, without
-# the round trips of Playwright's checks before it), then ``press``: resolves once clicked.
-CLICK_WHEN_ENABLED = """([selector, press]) => new Promise(resolve => {
-    const target = document.querySelector(selector);
-    const watch = new MutationObserver(() => {
-        if (!target.disabled) { watch.disconnect(); target.click(); resolve(); }
-    });
-    watch.observe(target, {attributes: true});
-    document.querySelector(press).click();
-})"""
-
-
 def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_button: Any) -> None:
     """A Run of a long prompt, cancelled the moment Cancel can be pressed: the lens stops on
     the ranks, the explorer says "cancelled" with no traceback, dims the heatmap it leaves,
@@ -1089,7 +1077,8 @@ def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_butt
     for _ in range(3):
         # Resolved once Cancel is pressed: Run is disabled by then (the kernel disables it
         # before it enables Cancel), and enabled again only once the Run has ended.
-        page.evaluate(CLICK_WHEN_ENABLED, [".ek-run-cancel", ".ek-explorer .mod-primary"])
+        cancel = page.locator(".ek-run-cancel").element_handle()
+        page.evaluate(CLICK_WHEN_ENABLED, [cancel, run_button.element_handle()])
         wait_for(run_button.is_enabled, 120, "the Run to end")
         if "cancelled" in state()["message"]:
             break

@@ -70,27 +70,19 @@ def themed_pngs(figure: Any) -> tuple[str, str]:
     from matplotlib.text import Text
 
     placed = {id(text) for ax in figure.axes for text in ax.texts}
-    texts = [
-        item
-        for item in figure.findobj(Text)
-        if id(item) not in placed and _default_ink(item, item.get_color())
-    ]
-    lines = [item for item in figure.findobj(Line2D) if _default_ink(item, item.get_color())]
+    texts = [item for item in figure.findobj(Text) if id(item) not in placed and _default_ink(item)]
+    lines = [item for item in figure.findobj(Line2D) if _default_ink(item)]
     legends = [ax.get_legend() for ax in figure.axes if ax.get_legend() is not None]
     for ax in figure.axes:
         ax.set_facecolor("none")
     for legend in legends:
         legend.get_frame().set_facecolor("none")
+    for item in (*texts, *lines):
+        setattr(item, _INKED, True)  # drawn again (the export), it is inked again
     pngs = []
     for colour in (INK["light"], INK["dark"]):
-        for item in texts:
-            item.set_color(colour)
-        for line in lines:
-            line.set_color(colour)
-            line.set_markerfacecolor(colour)
-            line.set_markeredgecolor(colour)
         for item in (*texts, *lines):
-            setattr(item, _INKED, True)  # drawn again (the export), it is inked again
+            item.set_color(colour)  # a line's markers follow it unless coloured apart
         for ax in figure.axes:
             ax.tick_params(colors=colour, which="both")
             for spine in ax.spines.values():
@@ -103,12 +95,14 @@ def themed_pngs(figure: Any) -> tuple[str, str]:
     return pngs[0], pngs[1]
 
 
-def _default_ink(item: Any, colour: Any) -> bool:
-    """Whether ``item`` is drawn in the default ink, or was inked by `themed_pngs`."""
+def _default_ink(item: Any) -> bool:
+    """Whether ``item`` (a text or a line) is drawn in the default ink, or was inked by
+    `themed_pngs`."""
     import matplotlib
     from matplotlib.colors import same_color
 
-    return getattr(item, _INKED, False) or same_color(colour, matplotlib.rcParams["text.color"])
+    default = matplotlib.rcParams["text.color"]
+    return getattr(item, _INKED, False) or same_color(item.get_color(), default)
 
 
 def text_output(text: str) -> dict[str, Any]:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import SimpleNamespace
 
 import torch
+from safetensors.torch import save as save_tensors
 
 from envoykit.analyses import attribution, lens
 from envoykit.model.vocab_shard import VocabShard
@@ -86,8 +88,13 @@ def run(device: torch.device) -> dict[str, torch.Tensor]:
             norm, head, parts, final, torch.tensor([2, 7]), [3, 500], 1.0
         )
         out.update({f"attribution.{k}": v.cpu() for k, v in att.items()})
-        key = "gpu-smoke"
-        translators.INSTALLED[key] = {1: (torch.randn(D, D, generator=g) * 0.01, torch.zeros(D))}
+        # Installed as an engine installs them: the rank's own device, once.
+        key, rank = "gpu-smoke", SimpleNamespace(device=device)
+        blob = save_tensors({"A.1": torch.randn(D, D, generator=g) * 0.01, "b.1": torch.zeros(D)})
+        translators.TranslatorStore.envoykit_install_translators(rank, key, blob)
+        weight, _ = translators.INSTALLED[key][1]
+        if weight.device.type != device.type:
+            raise RuntimeError(f"translators installed on {weight.device}, not on {device}")
         out["translate"] = translators.translate(key, 1, streams[1][0]).cpu()
         del translators.INSTALLED[key]
     return out

@@ -8,6 +8,8 @@ from envoykit import plot
 from envoykit.analyses.compare import Run, compare
 from envoykit.analyses.corpus import shipped_corpus
 from envoykit.analyses.patching import Ablate, Patch
+from envoykit.analyses.sae import SAE, Clamp
+from envoykit.analyses.sae_training import train_sae
 from envoykit.analyses.steering import Steer
 from envoykit.analyses.tuned import LensQuality, TunedLens
 from envoykit.engine import Engine
@@ -24,22 +26,34 @@ from envoykit.results.attention import AttentionResult
 from envoykit.results.attribution import AttributionResult
 from envoykit.results.compare import CompareResult
 from envoykit.results.corpus import CorpusLensResult
+from envoykit.results.feature_stats import FeatureStats
+from envoykit.results.features import (
+    FeatureAttributionResult,
+    FeatureLogitsResult,
+    FeatureResult,
+)
 from envoykit.results.lens import LensResult, TargetTrace
 from envoykit.results.steering import Generation, SteeringVector, SteerSweepResult
 from envoykit.results.sweep import SweepResult
 from envoykit.runtime.info import ModelInfo
 
 __all__ = [
+    "SAE",
     "Ablate",
     "Activations",
     "AttentionResult",
     "AttributionResult",
     "Cancelled",
+    "Clamp",
     "CompareResult",
     "CorpusLensResult",
     "Engine",
     "EngineDead",
     "EnvoykitError",
+    "FeatureAttributionResult",
+    "FeatureLogitsResult",
+    "FeatureResult",
+    "FeatureStats",
     "Generation",
     "InvalidRequest",
     "LensExplorer",
@@ -61,6 +75,7 @@ __all__ = [
     "connect",
     "plot",
     "shipped_corpus",
+    "train_sae",
 ]
 __version__ = "0.1.0"
 

@@ -22,9 +22,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Self
 
 from envoykit.analyses import selfcheck
+from envoykit.analyses.sae import InstalledSAEs
 from envoykit.analyses.surface import EngineSurface
 from envoykit.analyses.tuned import InstalledTranslators
-from envoykit.errors import EngineDead, InvalidRequest
+from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest
 from envoykit.ranks.cancel import lower_flag, raise_flag
 from envoykit.runtime import forkserver, logs, models, platform
 from envoykit.runtime.cleanup import SHM as _SHM
@@ -41,12 +42,12 @@ from envoykit.runtime.info import (
     refuse_unknown_arguments,
 )
 from envoykit.runtime.janitor import Janitor
+from envoykit.runtime.rank_watch import RankWatch, wake_waiting_client
 
 if TYPE_CHECKING:
+    from envoykit.analyses.sae import SAE
     from envoykit.analyses.tuned import TunedLens
 
-# Enough KV cache for a few prompts of max_model_len tokens on the built-in models.
-_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 _DEFAULT_MAX_MODEL_LEN = 1024
 
 
@@ -85,6 +86,10 @@ class EngineLifetime:
         self._source = models.resolve(model)
         config = models.read_config(self._source)
         self._shape = ModelShape.from_config(config)
+        platform.refuse_known_wrong(self._platform, config)
+        self._platform_defaults = platform.engine_defaults(self._platform, config)
+        if "attention_config" in engine_kwargs:  # the user's own names the backend
+            self._platform_defaults.pop("attention_backend", None)
         self._tp = choose_tp(config, tensor_parallel_size, self._platform)
         self._dtype = "float32" if dtype == "auto" and self._platform == "cpu" else dtype
         limit = self._shape.max_positions or _DEFAULT_MAX_MODEL_LEN
@@ -101,11 +106,19 @@ class EngineLifetime:
         self._llm: Any = None
         # The tuned-lens translators this engine's ranks hold (a restart forgets them).
         self._translators = InstalledTranslators()
+        self._saes = InstalledSAEs()  # the SAEs whose slices the ranks hold
+        self._sae_bytes: dict[str, list[int]] = {}  # key -> what each rank holds of it
         self._processes: list[Any] = []
         self._finalizer: weakref.finalize | None = None
         self.log_file = None
         self.scratch: str | None = None  # the engine's own temporary directory (its TMPDIR)
         self._start()
+
+    def _remember_sae_bytes(self, key: str, kept: tuple[str, ...], held: Any) -> None:
+        """Record what each rank reported holding of SAE ``key`` at its install, and forget
+        the SAEs the ranks dropped for it."""
+        self._sae_bytes = {k: v for k, v in self._sae_bytes.items() if k in kept}
+        self._sae_bytes[key] = [int(n) for n in held]
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -117,6 +130,8 @@ class EngineLifetime:
         already_running = _descendants()
         steps = tqdm(total=3, desc=f"{self._source.name}: preparing", disable=not self._progress)
         self._translators.clear()
+        self._saes.clear()
+        self._sae_bytes = {}
         self.log_file, log_env = logs.configure(models.cache_dir() / "logs", self._log_level)
         env = {**platform.rank_environment(self._platform, self._tp), **log_env}
         fork_core = self._platform == "cpu" and forkserver.enabled()
@@ -135,9 +150,12 @@ class EngineLifetime:
         try:
             with forkserver.engine_core() if fork_core else contextlib.nullcontext():
                 llm = self._spawn(workers, env, scratch, steps)
-        except BaseException:
+        except BaseException as error:
+            steps.close()
             _stop(_descendants() - not_the_engine)
             watcher.release()  # it removes what the stopped processes had mapped
+            if isinstance(error, Exception) and not isinstance(error, EnvoykitError):
+                raise self._failed_start(error) from error
             raise
         self._llm = llm
         processes = _descendants() - not_the_engine
@@ -147,14 +165,38 @@ class EngineLifetime:
         made = _mapped_segments(processes) | _engine_semaphores(processes)
         segments = sorted(os.path.join(_SHM, name) for name in made)
         watcher.watch([p.pid for p in self._processes], segments)
-        self._finalizer = weakref.finalize(self, _shutdown, llm, processes, watcher, scratch)
-        self._ready(llm, steps)
+        # vLLM names its rank processes "VLLM::Worker_TP<n>" ("VLLM::Worker" at TP=1): a dead
+        # one takes the others down, and a death wakes a call waiting on the engine core.
+        # (vLLM's entry point read when needed, not kept: a served engine drops it at close)
+        ranks = [p.pid for p in self._processes if "Worker" in _name(p)]
+        rank_watch = RankWatch(
+            [p.pid for p in self._processes],
+            ranks,
+            lambda: wake_waiting_client(llm.vllm_entrypoint),
+        )
+        self._finalizer = weakref.finalize(
+            self, _shutdown, llm, processes, watcher, scratch, rank_watch
+        )
+        try:
+            self._ready(llm, steps)
+        except BaseException:
+            steps.close()
+            raise
         steps.set_description(f"{self._source.name}: ready")
         steps.update()
         steps.close()
         self.load_seconds = time.perf_counter() - started
         if self._progress:
             self._announce()
+
+    def _failed_start(self, error: Exception) -> EngineDead:
+        """What a start vLLM gave up on says: the line of the log that names the cause (a
+        rank's error is in the log, not in the exception the client gets), and the log."""
+        cause = logs.root_cause(self.log_file) or f"{type(error).__name__}: {error}"
+        return EngineDead(
+            f"{self._source.name} did not start on vLLM ({self._platform}, TP={self._tp}): "
+            f"{cause} (the vLLM log {self.log_file} has the whole story)"
+        )
 
     def _ready(self, llm: Any, steps: Any) -> None:
         """What a subclass does once the engine is up, before the start is announced."""
@@ -176,8 +218,8 @@ class EngineLifetime:
             # Every rank would draw its own "Loading safetensors checkpoint shards" bar in the
             # notebook, beside the one progress bar the engine shows.
             kwargs = {
-                "kv_cache_memory_bytes": _DEFAULT_KV_CACHE_BYTES,
                 "use_tqdm_on_load": False,
+                **self._platform_defaults,
                 **self._engine_kwargs,
             }
             llm = EnvoykitVLLM(
@@ -189,6 +231,9 @@ class EngineLifetime:
                 max_model_len=self._max_model_len,
                 **kwargs,
             )
+            # What vLLM resolved ("auto" on a GPU is the checkpoint's dtype): what runs.
+            resolved = llm.vllm_entrypoint.model_config.dtype  # (LLM and AsyncLLM alike)
+            self._dtype = str(resolved).removeprefix("torch.")
             steps.update()
         return llm
 
@@ -338,6 +383,26 @@ class Engine(EngineLifetime, EngineSurface):
             self._translators.installed(translator.key, keep)
         return translator.key
 
+    def _install_sae(self, sae: SAE) -> str:
+        """Send ``sae`` to every rank, each keeping its slice of the features, once while the
+        ranks keep it (`InstalledSAEs`); its key."""
+        keep = self._saes.keep_for(sae.key)
+        if keep is not None:
+            config, blob = sae.to_wire()
+            with self.exclusive():
+                held = self.model.vllm_entrypoint.collective_rpc(
+                    "envoykit_install_sae", args=(sae.key, config, blob, keep)
+                )
+            self._saes.installed(sae.key, keep)
+            self._remember_sae_bytes(sae.key, keep, held)
+        return sae.key
+
+    def sae_bytes(self, sae: SAE) -> list[int]:
+        """The bytes of ``sae`` each rank holds (its slice of the features), installing it;
+        as the ranks reported them at its install."""
+        self._require_sae(sae)
+        return list(self._sae_bytes[sae.key])
+
     def _steered_trace(self, additions: Any, prompts: tuple, kwargs: dict) -> Any:
         """Install a block that makes ``additions`` at every step of every request that
         names it (an nnsight edit), and the trace that names it; it is cleared once that
@@ -415,6 +480,16 @@ class Engine(EngineLifetime, EngineSurface):
         # Trace code that names the engine (``engine.model.lm_head(...)``) is shipped to the
         # ranks; there the engine is its envoy tree, which nnsight maps to the rank's own.
         return (_OnRank, (self.model,))
+
+
+def _name(process: Any) -> str:
+    """``process``'s name, "" once it is gone."""
+    import psutil
+
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
 
 
 class _OnRank:

@@ -268,6 +268,42 @@ SITES = {"parallel": ("attn", "mlp"), "sequential": ("attn", "resid_mid", "mlp")
 
 
 @functools.cache
+@torch.no_grad()
+def _tuned_logits(path: str, prompt: str, parallel: bool, translators: str) -> torch.Tensor:
+    """``[n_layers + 1, T, vocab]`` in float64: transformers' streams, each before the last
+    layer's through its translator (``x + x @ A.T + b``, read from the safetensors file
+    ``translators``), then the final norm and head. The last layer's stream is untranslated,
+    as the tuned lens leaves it."""
+    from safetensors.torch import load_file
+
+    got = streams(path, prompt, parallel)
+    hidden = torch.cat([got["embed"][None], got["post"]]).double()
+    tensors = load_file(translators)
+    rows = []
+    for layer, x in enumerate(hidden):
+        if f"A.{layer}" in tensors and layer < len(hidden) - 1:
+            weight, bias = tensors[f"A.{layer}"].double(), tensors[f"b.{layer}"].double()
+            x = x + x @ weight.T + bias
+        rows.append(x)
+    model = load(path)[0].double()
+    _, norm = _children(model)
+    return head_logits(model, norm(torch.stack(rows)))
+
+
+def tuned_logits(path: str, prompt: str, parallel: bool, translators: bytes) -> torch.Tensor:
+    """`_tuned_logits` of the translators in ``translators`` (a tuned lens's ``to_bytes``),
+    computed in a fresh process as `reference` is."""
+    with tempfile.TemporaryDirectory() as folder:
+        blob, out = Path(folder) / "translators.safetensors", Path(folder) / "tuned.pt"
+        blob.write_bytes(translators)
+        args = ["tuned", path, prompt, str(int(parallel)), str(blob), str(out)]
+        done = subprocess.run(
+            [sys.executable, __file__, *args], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        return torch.load(out)
+
+
 def reference(path: str, prompt: str, other: str, parallel: bool) -> dict:
     """Everything the matrix tests compare against, computed in a fresh process: ``lens``
     ``[n_layers + 1, T, vocab]``, ``streams`` (the embedding and each layer's stream before
@@ -275,7 +311,8 @@ def reference(path: str, prompt: str, other: str, parallel: bool) -> dict:
     ``patched`` (``other``'s logits with ``prompt``'s stream after layer 2 at the last position),
     ``soft_cap`` (the model's final logit soft-cap, or None), ``attentions`` (eager
     attention weights ``[n_layers, heads, T, T]``, or None), and ``steered`` /
-    ``steered_norm`` (``prompt``'s logits steered after layer 2, `steered_logits`)."""
+    ``steered_norm`` (``prompt``'s logits steered after layer 2, `steered_logits`), and
+    ``site_streams`` (site -> ``[n_layers, T, d]``: the stream, or a block's write, `sites`)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "reference.pt"
         args = [path, prompt, other, str(int(parallel)), str(out)]
@@ -304,10 +341,15 @@ def _main(path: str, prompt: str, other: str, parallel: str, out: str) -> None:
             "head_mean": head_edited_logits(path, prompt, 2, 1, "mean"),
             "steered": steered_logits(path, prompt, 2, norm_match=False),
             "steered_norm": steered_logits(path, prompt, 2, norm_match=True),
+            "site_streams": {k: v for k, v in sites(path, prompt, flag).items() if k != "embed"},
         },
         out,
     )
 
 
 if __name__ == "__main__":
-    _main(*sys.argv[1:])
+    if sys.argv[1] == "tuned":
+        path, prompt, parallel, blob, out = sys.argv[2:]
+        torch.save(_tuned_logits(path, prompt, parallel == "1", blob), out)
+    else:
+        _main(*sys.argv[1:])

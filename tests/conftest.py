@@ -9,11 +9,16 @@ them.
 from __future__ import annotations
 
 import os
+import subprocess
 
 import psutil
 import pytest
 
 import envoykit as ek
+
+# Test data, among it the script that wrote the SAE files with SAELens and sparsify, which
+# are not installed here: nothing under data/ is a test.
+collect_ignore = ["data"]
 
 # The engine's processes (the engine core forked from the fork server, its ranks from the
 # core) must not inherit pytest's capture.
@@ -56,3 +61,17 @@ def tiny_engines(tiny1, tiny2):
 def demo3():
     with start("demo", 3) as engine:
         yield engine
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real full disk (ENOSPC from the kernel). Needs root."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)

@@ -56,8 +56,8 @@ def test_exception_in_trace_code_reaches_the_caller(tiny2, before):
 
 @pytest.mark.parametrize(
     "option",
-    [{"generate": 2}, {"reduce_dtype": "float64"}, {"translator": object()}],
-    ids=["generate", "reduce_dtype", "translator"],
+    [{"generate": 2}, {"reduce_dtype": "float64"}, {"translator": object()}, {"top_k": 3}],
+    ids=["generate", "reduce_dtype", "translator", "top_k"],
 )
 def test_compare_refuses_what_it_would_drop(tiny2, option):
     """``compare=True`` compares plain lenses: an option it cannot honour is refused, not
@@ -73,7 +73,7 @@ ATTENTION_CASES = [
     ("head out of range", dict(heads=[4]), r"head 4 is out of range: this model has 4 heads"),
     ("negative head out of range", dict(heads=[-5]), "out of range"),
     ("no heads", dict(heads=[]), "no heads given"),
-    ("head of the wrong type", dict(heads=["0"]), "out of range"),
+    ("head of the wrong type", dict(heads=["0"]), "head must be an integer, not '0'"),
     ("query out of range", dict(queries=[40]), "outside the prompt"),
     ("top_k zero", dict(top_k=0), r"top_k must be None \(every key\) or an integer >= 1"),
     ("prompt list", dict(prompt=[PROMPT, PROMPT]), "one prompt"),
@@ -97,12 +97,68 @@ def test_attention_refusals_leave_the_engine_answering(tiny2, before, case, kwar
         (ek.Ablate(1, 7), "ablation head 7 is out of range"),
         (ek.Ablate(0, 1), "the embedding .layer 0. has only the 'resid' site"),
         (ek.Ablate(1, 1, kind="half"), "kind is 'zero' or 'mean'"),
-        (ek.Patch(PROMPT, 1, site="head"), "patch head None is out of range"),
+        (ek.Patch(PROMPT, 1, site="head"), "patch head must be an integer, not None"),
+        (ek.Ablate(1, "0"), "ablation head must be an integer, not '0'"),
         (ek.Patch(PROMPT, 1, site="attn", head=1), "head= goes with site='head'"),
     ],
-    ids=["head out of range", "embedding", "unknown kind", "no head", "head without site"],
+    ids=[
+        "head out of range",
+        "embedding",
+        "unknown kind",
+        "no head",
+        "string head",
+        "head without site",
+    ],
 )
 def test_head_edit_refusals_leave_the_engine_answering(tiny2, before, patch, message):
     with pytest.raises(ek.InvalidRequest, match=message):
         tiny2.lens(PROMPT, patch=patch)
     assert_same_lens(tiny2.lens(PROMPT, top_k=3), before)
+
+
+LONG = "one two " * 400  # past tiny's 256 positions
+
+
+def test_long_prompts_are_refused_by_every_entry_point_not_by_vllm(tiny2, before):
+    for call in (
+        lambda: tiny2.lens([LONG, PROMPT], compare=True, positions=[0]),
+        lambda: ek.compare((tiny2, PROMPT), (tiny2, LONG), positions=[0]),
+        lambda: tiny2.generate(LONG, 4),
+        lambda: tiny2.generate(PROMPT, 300),
+    ):
+        with pytest.raises(ek.InvalidRequest, match="max_model_len=256"):
+            call()
+    assert_same_lens(tiny2.lens(PROMPT, top_k=3), before)
+
+
+def test_numpy_integers_are_integers(tiny2, before):
+    res = tiny2.lens(PROMPT, top_k=np.int64(3), layers=np.arange(1, 5))
+    assert_same_lens(res, before)
+    assert tiny2.lens(PROMPT, top_k=3, layers=[np.int64(2)]).layers.tolist() == [2]
+    assert tiny2.generate(PROMPT, np.int64(3)).token_ids == tiny2.generate(PROMPT, 3).token_ids
+
+
+def test_corpus_options_are_checked_before_the_corpus_runs(tiny2):
+    class Unread:
+        """A corpus that fails if anything reads past its first document."""
+
+        def __iter__(self):
+            yield PROMPT
+            raise AssertionError("the corpus was read before the options were checked")
+
+    for kwargs, message in (
+        ({"n_boot": 0}, "n_boot must be an integer >= 1"),
+        ({"n_boot": 10.0}, "n_boot must be an integer"),
+        ({"confidence": 1.0}, r"confidence lies in \(0, 1\)"),
+    ):
+        with pytest.raises(ek.InvalidRequest, match=message):
+            tiny2.lens_corpus(Unread(), progress=False, **kwargs)
+
+
+def test_collect_skips_positions_a_short_document_lacks(tiny2, tmp_path):
+    texts = [PROMPT, "one two " * 20]
+    store = tiny2.collect(texts, out=tmp_path / "store", layers=[2], positions=[30, -1])
+    lengths = [len(tiny2.tokenizer(text)["input_ids"]) for text in texts]
+    assert lengths[0] <= 30 < lengths[1]
+    kept = list(zip(store.documents.tolist(), store.positions.tolist()))
+    assert kept == [(0, lengths[0] - 1), (1, 30), (1, lengths[1] - 1)]

@@ -153,6 +153,16 @@ def test_long_document_is_cut_into_pieces_each_its_own_context(tiny1, tmp_path):
         )
 
 
+def test_a_document_as_long_as_the_context_is_cut_where_a_trace_fits(tiny1, tmp_path):
+    """Each trace generates one token, so a piece of the context's whole length does not
+    fit: by default pieces are one token shorter, and every token is still collected."""
+    ids = list(range(1, 301))  # tiny's context is 256
+    store = tiny1.collect([ids], out=tmp_path / "s", layers=[1], progress=False)
+    np.testing.assert_array_equal(store.token_ids, ids)
+    lens = tiny1.lens_corpus([ids], progress=False, n_boot=10)
+    assert lens.n_tokens == 300
+
+
 def test_positions_are_picked_in_each_piece(tiny1, tmp_path):
     store = tiny1.collect(DOCS, out=tmp_path / "s", layers=[1], positions=[0, -1], progress=False)
     lengths = [len(ids_of(tiny1, doc)) for doc in DOCS]
@@ -329,7 +339,8 @@ def test_another_models_or_corpus_or_settings_store_is_refused_untouched(tiny1, 
         ({"texts": "one string"}, "not one string"),
         ({"texts": ["ok", 3]}, "document 1 is a int"),
         ({"texts": [[1, 2, 10**9]]}, "outside the vocabulary"),
-        ({"texts": DOCS, "max_length": 10**6}, "exceeds the engine's max_model_len"),
+        ({"texts": DOCS, "max_length": 10**6}, "exceeds 255, the engine's max_model_len=256"),
+        ({"texts": DOCS, "max_length": 256}, "less the one token each trace generates"),
         ({"texts": DOCS, "dtype": "int8"}, "dtype must be one of"),
         ({"texts": DOCS, "positions": ["last"]}, "positions are integers"),
         ({"texts": DOCS, "layers": [99]}, "does not exist"),
@@ -361,20 +372,6 @@ def test_bad_lens_corpus_requests_are_refused(tiny1, kwargs, match):
         pytest.skip("this tokenizer gives an empty text a token")
     with pytest.raises(ek.InvalidRequest, match=match):
         tiny1.lens_corpus(texts, progress=False, **kwargs)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs: a real full disk (ENOSPC from the kernel). Needs root."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_a_full_disk_is_a_clear_error_and_keeps_the_shards_written(tiny1, small_disk):

@@ -13,7 +13,9 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
+from html.parser import HTMLParser
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 import traitlets
 from matplotlib.colors import to_hex
+from test_features import load_sae
 
 import envoykit as ek
 from envoykit import plot
@@ -28,6 +31,7 @@ from envoykit.analyses.request import describe_target, lens_rows
 from envoykit.explorer import (
     AttributionPanel,
     ComparePanel,
+    FeaturesPanel,
     Heatmap,
     LayerPicker,
     LensExplorer,
@@ -40,8 +44,18 @@ from envoykit.explorer import (
     widgets_dir,
 )
 from envoykit.explorer.compare_panel import drop_patch, patched_cell
+from envoykit.explorer.feature_html import (
+    chips_data,
+    contexts_html,
+    continuation_html,
+    logits_html,
+    token_label,
+    token_row,
+)
 from envoykit.explorer.sweep_panel import join_rows
 from envoykit.model.envoys import Location
+from envoykit.plot.text import visible
+from envoykit.results.feature_stats import Context
 
 PROMPT = "The capital of France is"
 OTHER = "The capital of Italy is"  # as many tokens as PROMPT on tiny (7)
@@ -672,18 +686,27 @@ def test_pins_are_chips_that_unpin_and_say_what_is_measured(explorer, tiny2):
 
 
 @pytest.mark.engine
-def test_an_error_from_the_ranks_is_a_message_not_a_traceback(explorer, tiny2, monkeypatch):
-    """nnsight raises a rank's failure as a RuntimeError; the explorer shows it and stays
-    usable."""
+def test_an_error_envoykit_did_not_mean_shows_its_traceback_folded(explorer, tiny2, monkeypatch):
+    """An error that is not one of envoykit's refusals (a bug, or a library's error let
+    through, as nnsight raises a rank's failure) is no one-line message: Run says its line
+    and keeps its traceback under a collapsed "details" (escaped), and the explorer stays
+    usable. Called from a cell, the same error reaches the cell."""
     good = explorer.run()
 
     def failing(*args, **kwargs):
-        raise RuntimeError("ValueError: a failure on every rank")
+        raise RuntimeError("ValueError: <b>a failure</b> on every rank")
 
     monkeypatch.setattr(tiny2, "lens", failing)
-    assert explorer.run() is None
-    assert "a failure on every rank" in explorer.message.value
+    explorer.run_button.click()
+    assert explorer.work.wait(60)
+    shown = explorer.message.value
+    assert "RuntimeError: ValueError: &lt;b&gt;a failure&lt;/b&gt; on every rank" in shown
+    details = shown[shown.index("<details") :]
+    assert "<summary>details</summary>" in details and "<b>" not in details
+    assert "Traceback (most recent call last)" in details and "in failing" in details
     assert explorer.result is good and not explorer.run_button.disabled
+    with pytest.raises(RuntimeError, match="a failure"):
+        explorer.run()
     monkeypatch.undo()
     assert explorer.run() is not None
     assert explorer.message.value == ""
@@ -924,7 +947,7 @@ def test_cancel_stops_a_run_and_says_so(explorer, tiny2):
     buttons back, and the next Run draws."""
     explorer.prompt.value = "The capital of France is " * 32
     explorer.run_button.click()
-    while tiny2._lens_in_flight is None and explorer.work.busy:
+    while explorer.work.busy and tiny2._lenses_in_flight.key(explorer.work.thread) is None:
         time.sleep(0.001)
     assert explorer.run_button.disabled and not explorer.cancel_button.disabled
     explorer.cancel_button.click()  # heard while the lens runs: the kernel is not blocked
@@ -933,6 +956,30 @@ def test_cancel_stops_a_run_and_says_so(explorer, tiny2):
     assert not explorer.run_button.disabled and explorer.cancel_button.disabled
     explorer.prompt.value = PROMPT
     assert explorer.run() is not None and explorer.result.prompt == PROMPT
+
+
+@pytest.mark.engine
+def test_cancel_stops_the_explorers_lens_not_a_cells(explorer, tiny2):
+    """A cell's lens holds the ranks while Run waits for them, and Cancel is pressed at once:
+    the Run's lens is stopped, the cell's lens returns what it returns alone, and once the
+    Run has ended nothing is left to cancel a lens started later."""
+    long = "The capital of France is " * 32
+    expected = tiny2.lens(long, top_k=3)
+    box: dict = {}
+    cell = threading.Thread(target=lambda: box.update(result=tiny2.lens(long, top_k=3)))
+    cell.start()
+    while cell.is_alive() and tiny2._lenses_in_flight.key(cell) is None:
+        time.sleep(0.001)
+    explorer.prompt.value = long
+    explorer.run_button.click()
+    explorer.cancel_button.click()
+    assert explorer.work.wait(120)
+    cell.join(120)
+    assert "cancelled" in explorer.message.value and explorer.result is None
+    np.testing.assert_array_equal(box["result"].top_ids, expected.top_ids)
+    np.testing.assert_allclose(box["result"].top_probs, expected.top_probs, atol=1e-6)
+    later = tiny2.lens(long, top_k=3)  # not cancelled by a canceller left behind
+    np.testing.assert_array_equal(later.top_ids, expected.top_ids)
 
 
 @pytest.mark.engine
@@ -1074,3 +1121,245 @@ def test_colour_controls_set_the_heatmaps_limits_and_the_export(tmp_path):
     assert type(norm).__name__ == "LogNorm" and norm.vmin == pytest.approx(0.2)
     with pytest.raises(traitlets.TraitError, match="limits are"):
         explorer.heatmap.limits = {"vmin": "low"}
+
+
+# -- the Features panel ---------------------------------------------------------------------
+
+FEATURE_SAE = "saelens_jumprelu"  # layer 3 "resid": clamps act on it
+# A clamp that changes tiny's first greedy token after PROMPT for its top feature at the
+# last token (the test checks it on the engine itself).
+BIG_CLAMP = 300.0
+
+
+class Tags(HTMLParser):
+    """The elements of a piece of markup with a given class: each one's attributes and its
+    text, as a browser would show them."""
+
+    def __init__(self, markup: str, class_name: str) -> None:
+        super().__init__()
+        self.class_name, self.found = class_name, []
+        self._open: list[int | None] = []  # per open tag: its index in `found`, or None
+        self.feed(markup)
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        attrs = dict(attrs)
+        found = self.class_name in (attrs.get("class") or "").split()
+        if found:
+            self.found.append({**attrs, "text": ""})
+        self._open.append(len(self.found) - 1 if found else None)
+
+    def handle_endtag(self, tag: str) -> None:
+        self._open.pop()
+
+    def handle_data(self, data: str) -> None:
+        for index in self._open:
+            if index is not None:
+                self.found[index]["text"] += data
+
+
+def tags(markup: str, class_name: str) -> list[dict[str, str]]:
+    return Tags(markup, class_name).found
+
+
+def hostile_features() -> ek.FeatureResult:
+    """Three tokens of markup, a space and a newline, each with two features."""
+    tokens = (XSS_IMG, " ", "\n")
+    return ek.FeatureResult(
+        prompt="".join(tokens),
+        tokens=tokens,
+        token_ids=np.arange(3),
+        top_ids=np.array([[4, 9], [9, -1], [2, 4]]),
+        top_acts=np.array([[3.0, 1.0], [2.0, 0.0], [0.5, 0.25]], dtype=np.float32),
+        l0=np.array([2, 1, 2]),
+        sq_error=np.zeros(3, dtype=np.float32),
+        sq_centered=np.ones(3, dtype=np.float32),
+        d_model=8,
+    )
+
+
+def test_feature_text_is_escaped_and_whitespace_stays_visible():
+    res = hostile_features()
+    data = chips_data(res)
+    assert data["tokens"] == [XSS_IMG, " ", "\n"]
+    assert data["labels"] == [XSS_IMG, "·", "\\n"]  # text for the page's text nodes
+    assert data["chips"] == [[[4, 3.0], [9, 1.0]], [[9, 2.0]], [[2, 0.5], [4, 0.25]]]
+    assert data["top"] == 3.0
+    assert token_label("") == "∅" and token_label("  ") == "··" and token_label("\xa0") == "·"
+    assert token_label(" \t") == " \\t"  # a visible escape: the space shows beside it
+    row = token_row(res.tokens, [3.0, 1.5, 0.0], top=3.0, focus=1)
+    effects = {"up": [(XSS_IMG, 2.0)], "down": [(XSS_SCRIPT, -1.0)]}
+    context = Context(0, 1, 1.5, res.tokens, (0, 1, 2), (3.0, 1.5, 0.0), 1)
+    shown = [
+        row,
+        logits_html(4, effects),
+        contexts_html(4, [context]),
+        continuation_html(XSS_IMG, XSS_SCRIPT, XSS_IMG),
+    ]
+    for markup in shown:
+        assert "<img" not in markup and "<script" not in markup and "&lt;" in markup
+    spans = tags(row, "ek-feat-tok")
+    assert [span["text"] for span in spans] == [XSS_IMG, "·", "\\n"]
+    assert [float(span["data-act"]) for span in spans] == [3.0, 1.5, 0.0]
+    assert "ek-feat-strong" in spans[0]["class"] and "ek-feat-focus" in spans[1]["class"]
+    logits = tags(shown[1], "ek-feat-logit")
+    assert [json.loads(item["data-token"]) for item in logits] == [XSS_IMG, XSS_SCRIPT]
+
+
+@pytest.fixture
+def feature_panel(tiny1):
+    return FeaturesPanel(tiny1, load_sae(FEATURE_SAE), prompt=PROMPT, clamp=BIG_CLAMP)
+
+
+@pytest.mark.engine
+def test_feature_chips_are_the_features_read(feature_panel, tiny1):
+    res = feature_panel.read()
+    expected = tiny1.features(PROMPT, load_sae(FEATURE_SAE), top_k=8)
+    np.testing.assert_array_equal(res.top_ids, expected.top_ids)
+    data = feature_panel.chips.get_state()["data"]
+    assert data["tokens"] == list(expected.tokens)
+    assert data["l0"] == expected.l0.tolist()
+    for chips, ids, acts in zip(data["chips"], expected.top_ids, expected.top_acts):
+        fired = ids >= 0
+        assert [f for f, _ in chips] == ids[fired].tolist()
+        np.testing.assert_allclose([a for _, a in chips], acts[fired], rtol=1e-6)
+    assert feature_panel.clamp.max >= 10 * data["top"]  # clamps past what fires
+    assert "mean L0" in feature_panel.header.value
+
+
+@pytest.mark.engine
+def test_selecting_a_feature_shows_its_activation_and_logit_effects(feature_panel, tiny1):
+    """A click on a chip (the browser sets ``selected``): the feature's exact activation at
+    every token and its logit effects; typing an id selects as a click does."""
+    sae = load_sae(FEATURE_SAE)
+    res = feature_panel.read()
+    feature = int(res.top_ids[-1, 0])
+    feature_panel.chips.set_state({"selected": feature})
+    expected = tiny1.features(PROMPT, sae, features=[feature]).activation(feature)
+    np.testing.assert_allclose(feature_panel.activation, expected, rtol=1e-6)
+    row = tags(feature_panel.activation_view.value, "ek-feat-tok")
+    assert [span["text"] for span in row] == [token_label(t) for t in res.tokens]
+    np.testing.assert_allclose([float(span["data-act"]) for span in row], expected, rtol=1e-6)
+    effects = tiny1.feature_logits(sae, [feature], k=10).of(feature)
+    logits = feature_panel.logits_view.value
+    for side in ("up", "down"):
+        shown = tags(logits, f"ek-feat-{side}")
+        assert len(shown) == 1
+    items = tags(logits, "ek-feat-logit")
+    assert [json.loads(item["data-token"]) for item in items] == [
+        token for side in ("up", "down") for token, _ in effects[side]
+    ]
+    np.testing.assert_allclose(
+        [float(item["data-logit"]) for item in items],
+        [logit for side in ("up", "down") for _, logit in effects[side]],
+        rtol=1e-6,
+    )
+    assert feature_panel.feature.value == str(feature) and feature_panel.selected == feature
+
+    other = int(res.top_ids[0, 1])
+    feature_panel.feature.value = str(other)  # typed, then Enter
+    assert feature_panel.selected == other and feature_panel.chips.selected == other
+    expected = tiny1.features(PROMPT, sae, features=[other]).activation(other)
+    np.testing.assert_allclose(feature_panel.activation, expected, rtol=1e-6)
+
+
+@pytest.mark.engine
+def test_a_clamped_feature_regenerates_beside_the_plain_continuation(feature_panel, tiny1):
+    """Generate clamped, clicked: off the kernel's thread, the continuation of
+    ``engine.generate`` with the same `ek.Clamp`, its first token unlike the plain one's."""
+    sae = load_sae(FEATURE_SAE)
+    res = feature_panel.read()
+    feature = int(res.top_ids[-1, 0])
+    assert feature_panel.generate() is None  # nothing selected yet: a message
+    assert "click a feature first" in feature_panel.header.value
+    feature_panel.chips.set_state({"selected": feature})
+    feature_panel.max_tokens.value = 4
+    feature_panel.clamp_button.click()
+    assert feature_panel.work.wait(120) and not feature_panel.clamp_button.disabled
+    clamped = tiny1.generate(PROMPT, 4, steer=ek.Clamp(sae, feature, BIG_CLAMP))
+    plain = tiny1.generate(PROMPT, 4)
+    assert feature_panel.clamped.token_ids == clamped.token_ids
+    assert feature_panel.plain.token_ids == plain.token_ids
+    assert clamped.token_ids[0] != plain.token_ids[0]  # the clamp changes the next token
+    texts = [
+        tags(view.value, "ek-continuation-text")[0]["text"]
+        for view in (feature_panel.plain_view, feature_panel.clamped_view)
+    ]
+    assert texts == [visible(str(plain)), visible(str(clamped))]
+    assert f"clamped to {BIG_CLAMP:g}" in feature_panel.clamped_view.value
+    assert "unlike the plain continuation" in feature_panel.header.value
+
+
+@pytest.mark.engine
+def test_feature_stats_show_contexts_and_a_histogram(tiny1):
+    sae = load_sae(FEATURE_SAE)
+    documents = [PROMPT, OTHER, "Hello world, this is a test.", f"Tokens {XSS_IMG} as text"]
+    feature = int(tiny1.features(PROMPT, sae, top_k=1).top_ids[-1, 0])
+    stats = tiny1.feature_stats(documents, sae, contexts=3, window=7, progress=False)
+    panel = FeaturesPanel(tiny1, sae, prompt=PROMPT, stats=stats)
+    panel.read()
+    panel.select(feature)
+    contexts = stats.contexts(feature)
+    assert contexts
+    shown = tags(panel.contexts_view.value, "ek-feat-context")
+    assert [(int(c["data-document"]), int(c["data-position"])) for c in shown] == [
+        (item.document, item.position) for item in contexts
+    ]
+    focus = tags(panel.contexts_view.value, "ek-feat-focus")
+    assert [span["text"] for span in focus] == [token_label(c.tokens[c.focus]) for c in contexts]
+    np.testing.assert_allclose(
+        [float(span["data-act"]) for span in focus], [c.activation for c in contexts]
+    )
+    spans = tags(panel.contexts_view.value, "ek-feat-tok")
+    assert len(spans) == sum(len(c.tokens) for c in contexts)
+    assert "<img" not in panel.contexts_view.value
+    edges, counts = stats.histogram(feature)
+    (stairs,) = panel.histogram_figure.axes[0].patches
+    np.testing.assert_array_equal(stairs.get_data().values, counts)
+    np.testing.assert_array_equal(stairs.get_data().edges, edges)
+    assert panel.histogram_view.outputs[0]["data"]["text/html"].count("<img") == 2  # 2 themes
+    assert "contexts shown" in panel.header.value
+
+
+@pytest.mark.engine
+def test_feature_panel_refuses_bad_input_with_a_message(feature_panel, tiny1):
+    import torch
+
+    wide = ek.SAE(
+        "relu", torch.zeros(576, 8), torch.zeros(8), torch.zeros(8, 576), torch.zeros(576), layer=1
+    )
+    other = FeaturesPanel(tiny1, wide, prompt=PROMPT)
+    assert "d_model=128" in other.header.value and "Traceback" not in other.header.value
+    assert other.read_button.disabled and other.clamp_button.disabled
+    assert other.read() is None and other.select(3) is None and other.generate() is None
+    assert "d_model=128" in other.header.value
+    not_an_sae = FeaturesPanel(tiny1, "sae/")
+    assert "takes an ek.SAE" in not_an_sae.header.value
+    not_an_sae.chips.set_state({"selected": 3})  # a message, not an error in the observer
+    assert "takes an ek.SAE" in not_an_sae.header.value
+
+    feature_panel.read()
+    feature_panel.select(3)
+    assert feature_panel.select(256) is None  # the SAE has 256 features
+    assert "feature 256 is out of range" in feature_panel.header.value
+    assert feature_panel.selected is None and feature_panel.activation_view.value == ""
+    assert feature_panel.chips.selected is None
+    feature_panel.feature.value = XSS_IMG
+    assert "is an integer id" in feature_panel.header.value
+    assert "<img" not in feature_panel.header.value
+    feature_panel.prompt.value = ""
+    assert feature_panel.read() is None and "empty" in feature_panel.header.value
+    feature_panel.prompt.value = f"The {XSS_IMG} is"  # markup in the prompt: text
+    res = feature_panel.read()
+    assert res is not None and feature_panel.select(int(res.top_ids[0, 0])) is not None
+    for view in (feature_panel.activation_view, feature_panel.logits_view, feature_panel.header):
+        assert "<img" not in view.value
+
+
+@pytest.mark.engine
+def test_explorer_with_an_sae_has_the_features_panel_on_its_prompt(tiny1):
+    assert LensExplorer(tiny1, prompt=PROMPT).features_panel is None
+    explorer = LensExplorer(tiny1, prompt=PROMPT, sae=load_sae(FEATURE_SAE))
+    panel = explorer.features_panel
+    assert panel in explorer.children and panel.prompt.layout.display == "none"
+    explorer.prompt.value = OTHER
+    assert panel.read().prompt == OTHER

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import _thread
+import contextlib
+import itertools
 import os
 import re
 import signal
@@ -48,41 +50,82 @@ def call_with_deadline(fn, seconds: float):
     return finish(*call_in_thread(fn), seconds)
 
 
-def rank(engine: ek.Engine, number: int) -> psutil.Process:
-    (found,) = [p for p in engine.processes if f"Worker_TP{number}" in p.name()]
+def rank(engine: ek.Engine, number: int | str) -> psutil.Process:
+    """Rank ``number``'s process (vLLM names it "VLLM::Worker_TP<n>", and "VLLM::Worker"
+    at TP=1), or with "core" the engine core's."""
+    name = "VLLM::Worker" if engine.info.tp == 1 else f"VLLM::Worker_TP{number}"
+    name = "VLLM::EngineCore" if number == "core" else name
+    (found,) = [p for p in engine.processes if p.name() == name]
     return found
 
 
-def test_killed_rank_gives_engine_dead_then_restart_works():
-    """Rank 0 killed during a lens, then rank 1 killed while idle: each time `EngineDead`
-    within 30 s of the kill; after the first, `restart()` gives the lens it gave before.
-    The lenses before the first kill run back to back: one 200-token lens of ``tiny`` at
-    TP=2 takes 0.6-0.8 s here, so a single one may end before the kill."""
-    engine = start("tiny", 2)
+# What the engine is doing when a rank is killed: each runs until it fails.
+ACTIVITIES = {
+    "idle": None,
+    "lens": lambda engine, _: engine.lens(PROMPT, generate=200, top_k=3),
+    "generation": lambda engine, _: engine.generate(PROMPT, max_tokens=200),
+    "collect": lambda engine, out: engine.collect(
+        ek.shipped_corpus() * 4, out=out, layers=[1], progress=False
+    ),
+}
+
+
+def seconds_to_engine_dead(engine: ek.Engine, activity: str, victim: int | str, out: Path) -> float:
+    """Kill rank ``victim`` while the engine does ``activity``; the seconds from the kill to
+    the `EngineDead` the caller gets (idle: that of the next lens)."""
+    work = ACTIVITIES[activity]
+    if work is None:
+        killed = time.monotonic()
+        rank(engine, victim).send_signal(signal.SIGKILL)
+        time.sleep(0.5)  # the death lands while nothing runs
+        _, error, _ = call_with_deadline(lambda: engine.lens(PROMPT, top_k=3), 60)
+    else:
+
+        def again():  # one after the other until one fails: the kill lands in one
+            for turn in itertools.count():
+                work(engine, out / str(turn))
+
+        thread, box = call_in_thread(again)
+        time.sleep(1.0)
+        assert thread.is_alive(), f"{activity} stopped before the kill: {box.get('error')!r}"
+        killed = time.monotonic()
+        rank(engine, victim).send_signal(signal.SIGKILL)
+        _, error, _ = finish(thread, box, 60)
+    took = time.monotonic() - killed
+    assert isinstance(error, ek.EngineDead), (activity, error)
+    assert "restart" in str(error)
+    assert engine.closed and engine.processes == []
+    return took
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_killed_rank_gives_engine_dead_within_3_s_then_restart_works(tp, tmp_path):
+    """A rank killed while the engine is idle, in a lens, in a generation and in a collect,
+    and the engine core killed in a lens: each time `EngineDead` within 3 s of the kill
+    (vLLM alone took 10.5 s for a rank at TP=2, and never answered the lens whose core was
+    killed: `envoykit.runtime.rank_watch`), and `restart()` gives the lens it gave before.
+    Idle, the death is reported by the next request."""
+    engine = start("tiny", tp)
     try:
         before = engine.lens(PROMPT, top_k=3)
+        kills = [(activity, turn % tp) for turn, activity in enumerate(ACTIVITIES)]
+        took = {}
+        for activity, victim in [*kills, ("lens", "core")]:
+            took[activity, victim] = seconds_to_engine_dead(engine, activity, victim, tmp_path)
+            engine.restart()
+            np.testing.assert_array_equal(engine.lens(PROMPT, top_k=3).top_ids, before.top_ids)
+        assert max(took.values()) < 3, took
+    finally:
+        engine.close()
 
-        def lenses():  # one after the other until one fails: the kill lands in a lens
-            while True:
-                engine.lens(PROMPT, generate=200, top_k=3)
 
-        thread, box = call_in_thread(lenses)
-        time.sleep(1.0)
-        assert thread.is_alive(), f"the lenses stopped before the kill: {box.get('error')!r}"
-        killed = time.monotonic()
-        rank(engine, 0).send_signal(signal.SIGKILL)
-        _, error, _ = finish(thread, box, 60)
-        assert isinstance(error, ek.EngineDead), error
-        assert time.monotonic() - killed < 30
-        engine.restart()
-        np.testing.assert_array_equal(engine.lens(PROMPT, top_k=3).top_ids, before.top_ids)
-
-        rank(engine, 1).send_signal(signal.SIGKILL)
-        _, error, elapsed = call_with_deadline(lambda: engine.lens(PROMPT, top_k=3), 60)
-        assert isinstance(error, ek.EngineDead), error
-        assert "restart" in str(error)
-        assert elapsed < 30
-        assert engine.closed and engine.processes == []
+@pytest.mark.slow
+def test_killed_rank_at_tp3_gives_engine_dead_within_3_s():
+    """The same at TP=3 (demo), killing the middle rank during a lens."""
+    engine = start("demo", 3)
+    try:
+        took = seconds_to_engine_dead(engine, "lens", 1, Path("unused"))
+        assert took < 3, took
     finally:
         engine.close()
 
@@ -148,16 +191,49 @@ def test_interrupt_during_lens_leaves_engine_usable(tiny2):
 LONG = "The capital of France is " * 32  # about 225 of the tiny model's 256 positions
 
 
+def cancel_when_started(engine, thread: threading.Thread) -> str:
+    """Cancel the lens ``thread`` runs as soon as it has a key; the key."""
+    while thread.is_alive():
+        key = engine.cancel(thread)
+        if key:
+            assert re.fullmatch("[0-9a-f]{32}", key), key
+            return key
+        time.sleep(0.001)
+    raise AssertionError("the lens ended before it could be cancelled")
+
+
 def lens_cancelled_at_once(engine, prompt: str) -> BaseException | None:
     """Start a lens of ``prompt`` on a thread, cancel it as soon as it has a key, and return
     what the thread raised."""
     thread, box = call_in_thread(lambda: engine.lens(prompt, top_k=3))
-    while engine._lens_in_flight is None and thread.is_alive():
-        time.sleep(0.001)
-    assert engine.cancel()
+    cancel_when_started(engine, thread)
     thread.join(120)
     assert not thread.is_alive()
     return box.get("error")
+
+
+def test_cancel_stops_the_lens_of_the_thread_it_names(tiny2):
+    """Two threads' lenses at once: cancelling the second's stops that one only, whether
+    it was on the ranks or waiting for them; the first returns the lens of a quiet engine.
+    Then a cancel without a thread stops the one lens in flight and names its key."""
+    expected = tiny2.lens(LONG, top_k=3)
+    first, first_box = call_in_thread(lambda: tiny2.lens(LONG, top_k=3))
+    second, second_box = call_in_thread(lambda: tiny2.lens(LONG, top_k=3))
+    key = cancel_when_started(tiny2, second)
+    first.join(120)
+    second.join(120)
+    assert isinstance(second_box.get("error"), ek.Cancelled), second_box
+    assert first_box.get("error") is None, first_box
+    np.testing.assert_array_equal(first_box["result"].top_ids, expected.top_ids)
+    np.testing.assert_allclose(first_box["result"].top_probs, expected.top_probs, atol=1e-6)
+    assert tiny2.cancel(first) is None and tiny2.cancel() is None  # both have ended
+
+    only, box = call_in_thread(lambda: tiny2.lens(LONG, top_k=3))
+    while only.is_alive() and not (stopped := tiny2.cancel()):
+        time.sleep(0.001)
+    only.join(120)
+    assert isinstance(box.get("error"), ek.Cancelled), box
+    assert re.fullmatch("[0-9a-f]{32}", stopped) and stopped != key, (stopped, key)
 
 
 def test_cancel_stops_a_lens_on_the_ranks_and_the_engine_answers(tiny_engines):
@@ -254,3 +330,41 @@ def test_ranks_reuse_their_working_memory(demo3):
     growth = max(peak_rss_since_reset(p) - resident[p.pid] for p in ranks)
     np.testing.assert_array_equal(again.top_ids, first.top_ids)
     assert growth < 16 * 2**20, growth >> 20
+
+
+def vllm_processes() -> list[psutil.Process]:
+    """This process's descendants that vLLM started (it names them "VLLM::...")."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if process.name().startswith("VLLM::"):
+                found.append(process)
+    return found
+
+
+def test_a_start_vllm_gives_up_on_says_why_and_leaves_nothing(tmp_path):
+    """A checkpoint with a weight the model does not have: the rank's error is in the vLLM
+    log, and vLLM's client raises only "Engine core initialization failed. See root cause
+    above". The start's `EngineDead` names the rank's line and the log, its progress bar is
+    closed, and no process of the engine is left."""
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    from envoykit.runtime import architectures
+
+    architectures.build("llama", tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    renamed = next(name for name in weights if "layers.1.mlp" in name)
+    weights["model.layers.1.mlp.bogus.weight"] = weights.pop(renamed)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    others = set(vllm_processes())  # other tests' engines, alive meanwhile
+    with pytest.raises(ek.EngineDead) as caught:
+        ek.Engine(str(tmp_path), tensor_parallel_size=2, progress=True)
+    message = str(caught.value)
+    assert "did not start" in message and "See root cause" not in message, message
+    assert "ValueError: There is no module or parameter named 'layers.1.mlp.bogus'" in message
+    log = re.search(r"the vLLM log (\S+\.log)", message).group(1)
+    assert "layers.1.mlp.bogus" in Path(log).read_text()
+    assert not [bar for bar in tqdm._instances if tmp_path.name in str(bar.desc)]
+    # (the fork server, its resource tracker and their janitor serve every engine start)
+    assert set(vllm_processes()) <= others

@@ -4,7 +4,8 @@ One server (``tiny``, TP=2) serves the module; the last test stops it with SIGTE
 start for the faults that end an engine: a rank killed under a server (which exits), and
 under one started with ``--restart`` (which restarts, and is then killed outright). Results
 are compared with the in-process engine of the same model and TP size, the tuned lens among
-them (translators installed through the server once, checked against its model).
+them (translators installed through the server once, checked against its model), and SAE
+features, splices and clamps (each SAE sent once, checked against the served model).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import pytest
 from seeded import seeded_tuned_lens
 
 import envoykit as ek
+from envoykit.analyses.sae import InstalledSAEs
 from envoykit.runtime.cleanup import mapped_segments
 from envoykit.serve import tokens
 
@@ -306,13 +308,14 @@ def tuned(tiny2):
     return seeded_tuned_lens(tiny2)
 
 
-def translator_posts(client, monkeypatch) -> list[str]:
-    """The paths of the translator installs the client sends from now on."""
+def translator_posts(client, monkeypatch, prefix="/v1/envoykit/translators/") -> list[str]:
+    """The paths of the translator (or, by ``prefix``, SAE) installs the client sends from
+    now on."""
     sent: list[str] = []
     request = client._request
 
     def spy(method: str, path: str, **kwargs):
-        if method == "POST" and path.startswith("/v1/envoykit/translators/"):
+        if method == "POST" and path.startswith(prefix):
             sent.append(path)
         return request(method, path, **kwargs)
 
@@ -424,6 +427,143 @@ def test_train_evaluate_check_load_and_explorer_through_the_server(client, tiny2
     np.testing.assert_allclose(remote_data["top_probs"], local_data["top_probs"], atol=1e-6)
 
 
+# -- SAEs through a connection --------------------------------------------------------------
+
+SAE_DATA = ROOT / "tests" / "data" / "sae"
+SAE_POSTS = "/v1/envoykit/saes/"
+
+
+@pytest.fixture(scope="module")
+def saes():
+    names = ("saelens_jumprelu", "saelens_topk", "saelens_standard")
+    return {name: ek.SAE.load(SAE_DATA / name) for name in names}
+
+
+def assert_same_features(a: ek.FeatureResult, b: ek.FeatureResult) -> None:
+    np.testing.assert_array_equal(a.top_ids, b.top_ids)
+    np.testing.assert_array_equal(a.l0, b.l0)
+    np.testing.assert_array_equal(a.tracked, b.tracked)
+    for name in ("top_acts", "sq_error", "sq_centered", "tracked_acts"):
+        np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-6, atol=1e-6)
+    assert (a.tokens, a.meta) == (b.tokens, b.meta)
+
+
+def test_saes_equal_in_process_and_are_sent_once(server, client, tiny2, saes, monkeypatch):
+    """Features, a splice and clamps (as a patch and as a steer) through the server are the
+    in-process ones; each SAE goes to the server once, however many requests read it."""
+    sent = translator_posts(client, monkeypatch, SAE_POSTS)
+    jumprelu, topk, standard = saes.values()
+    pair = [jumprelu, topk]
+    for remote, local in zip(
+        client.features(PROMPT, pair, top_k=8), tiny2.features(PROMPT, pair, top_k=8)
+    ):
+        assert_same_features(remote, local)
+    prompts = [PROMPT, "Hello world"]
+    remote = client.features(prompts, jumprelu, top_k=4, features=[0, 17, 255])
+    local = tiny2.features(prompts, jumprelu, top_k=4, features=[0, 17, 255])
+    for a, b in zip(remote, local, strict=True):
+        assert_same_features(a, b)
+    kwargs = dict(layers=[standard.layer, -1], top_k=5, splice=standard)
+    assert_same_lens(client.lens(PROMPT, **kwargs), tiny2.lens(PROMPT, **kwargs))
+    strongest = int(local[0].top_ids[-1, 0])  # at the last position
+    clamp = ek.Clamp(jumprelu, [strongest, 7], [0.0, 200.0])
+    for case in (dict(patch=clamp), dict(steer=clamp)):
+        remote, local = client.lens(PROMPT, top_k=5, **case), tiny2.lens(PROMPT, top_k=5, **case)
+        assert remote.meta["steer"][0]["sae"] == jumprelu.key
+        assert_same_lens(remote, local)
+    generated = client.generate(PROMPT, 8, steer=clamp)
+    assert generated.token_ids == tiny2.generate(PROMPT, 8, steer=clamp).token_ids
+    assert generated.token_ids != client.generate(PROMPT, 8).token_ids  # the clamp did apply
+    assert sent == [SAE_POSTS + sae.key for sae in (jumprelu, topk, standard)]
+    client.features(PROMPT, pair)
+    client.lens(PROMPT, splice=standard)
+    assert len(sent) == 3  # held by the ranks: nothing sent again
+    whole = sum(
+        t.numel() * 4 for t in (jumprelu.W_enc, jumprelu.b_enc, jumprelu.W_dec, jumprelu.threshold)
+    )
+    assert client.sae_bytes(jumprelu) == tiny2.sae_bytes(jumprelu) == [whole // 2 + 128 * 4] * 2
+    with httpx.Client(base_url=server.url, headers={"ndif-api-key": server.token()}) as http:
+        path = SAE_POSTS + jumprelu.key
+        assert http.get(path, timeout=30).json() == {"key": jumprelu.key, "installed": True}
+        assert http.post(path, content=jumprelu.to_bytes(), timeout=30).json() == {
+            "key": jumprelu.key
+        }
+        assert http.get(path, headers={"ndif-api-key": "wrong"}).status_code == 401
+        assert http.post(path, content=b"x", headers={"ndif-api-key": "wrong"}).status_code == 401
+
+
+def test_a_full_server_keeps_the_saes_a_request_reads(client, tiny2, saes, monkeypatch):
+    """With the ranks full (`InstalledSAEs.LIMIT` SAEs), a request reading a held SAE and a
+    new one drops a third: asking whether the held one is there marks it as just used."""
+    base = saes["saelens_jumprelu"]
+    fields = {name: getattr(base, name) for name in base.__dataclass_fields__ if name != "key"}
+    shifted = [
+        ek.SAE(**{**fields, "b_enc": base.b_enc + 1e-3 * (i + 1)})
+        for i in range(InstalledSAEs.LIMIT + 1)
+    ]
+    sent = translator_posts(client, monkeypatch, SAE_POSTS)
+    client.features(PROMPT, shifted[:-1], top_k=4)
+    assert len(sent) == InstalledSAEs.LIMIT
+    pair = [shifted[0], shifted[-1]]
+    for remote, local in zip(
+        client.features(PROMPT, pair, top_k=4), tiny2.features(PROMPT, pair, top_k=4)
+    ):
+        assert_same_features(remote, local)
+    assert sent[InstalledSAEs.LIMIT :] == [SAE_POSTS + shifted[-1].key]
+
+
+def test_sae_refusals_through_the_server(server, client, saes):
+    """An SAE that does not fit the served model: `InvalidRequest`, as in process; a body
+    that is not an SAE, or not the SAE of its key, is refused with 400, one that does not
+    fit with 422, and nothing is installed; the server serves on."""
+    import torch
+
+    sae = saes["saelens_jumprelu"]
+    wide = ek.SAE(
+        "relu", torch.zeros(576, 8), torch.zeros(8), torch.zeros(8, 576), torch.zeros(576), layer=1
+    )
+    fields = {name: getattr(sae, name) for name in sae.__dataclass_fields__ if name != "key"}
+    # Other weights too, so that nothing the ranks hold has their keys.
+    other = ek.SAE(**{**fields, "model_name": "SmolLM2-135M-Instruct", "b_enc": sae.b_enc + 1})
+    deep = ek.SAE(**{**fields, "layer": 9, "b_enc": sae.b_enc + 2})
+    with pytest.raises(ek.InvalidRequest, match="d_model=128"):
+        client.features(PROMPT, wide)
+    with pytest.raises(ek.InvalidRequest, match="d_model=128"):
+        client.lens(PROMPT, splice=wide)
+    with pytest.raises(ek.InvalidRequest, match="model_check=False"):
+        client.features(PROMPT, other)
+    with pytest.raises(ek.InvalidRequest, match="out of range"):
+        client.lens(PROMPT, patch=ek.Clamp(sae, 256, 1.0))
+    blob = sae.to_bytes()
+    bodies = {
+        "empty": (b"", "not an SAE sent by envoykit"),
+        "truncated": (blob[: len(blob) // 2], "not an SAE sent by envoykit"),
+        "pickle": (b"\x80\x04K\x01.", "not an SAE sent by envoykit"),
+        "wire only": (sae.to_wire()[1], "not an SAE sent by envoykit"),
+        "other key": (blob, f"key {sae.key}, not {sae.key[::-1]}"),
+    }
+    with httpx.Client(base_url=server.url, headers={"ndif-api-key": server.token()}) as http:
+        for name, (body, message) in bodies.items():
+            path = SAE_POSTS + sae.key[::-1]  # a key nothing has
+            response = http.post(path, content=body, timeout=30)
+            assert response.status_code == 400, (name, response.text)
+            assert response.json()["invalid_request"] is True
+            assert message in response.json()["detail"], (name, response.text)
+            assert http.get(path, timeout=30).json()["installed"] is False
+        for unfit, message in (
+            (wide, "d_model=128"),
+            (other, "model_check=False"),
+            (deep, "past tiny's 4 layers"),
+        ):
+            path = SAE_POSTS + unfit.key
+            response = http.post(path, content=unfit.to_bytes(), timeout=30)
+            assert response.status_code == 422, response.text
+            assert message in response.json()["detail"], response.text
+            assert http.get(path, timeout=30).json()["installed"] is False
+            assert http.get(path + "/bytes", timeout=30).json() == {"key": unfit.key, "bytes": None}
+    assert client.features(PROMPT, sae, top_k=3).top_ids.shape[1] == 3
+
+
 def test_a_client_without_the_checkpoint_gets_its_files(server, client, tmp_path, monkeypatch):
     """A client on another machine has no checkpoint at the server's path: the server sends
     the config and tokenizer (never weights) and the tree built from them gives the same lens.
@@ -504,6 +644,21 @@ def test_corpus_work_through_the_server_equals_in_process(client, tiny2, tmp_pat
     for layer, site in [(1, "resid"), (3, "mlp")]:
         assert torch.equal(there.load(layer, site), here.load(layer, site))
     np.testing.assert_array_equal(there.positions, here.positions)
+
+
+def test_feature_stats_equal_in_process(client, tiny2, saes, tmp_path):
+    """A corpus pass through the server: the ranks' tallies come back as in process, and
+    the store is written on the client's side."""
+    topk = saes["saelens_topk"]
+    texts = ek.shipped_corpus()[:8]
+    kwargs = dict(contexts=3, window=5, batch_tokens=96, progress=False)
+    remote = client.feature_stats(texts, topk, out=tmp_path / "stats", **kwargs)
+    local = tiny2.feature_stats(texts, topk, **kwargs)
+    for name in ("fired", "histograms", "top_documents", "top_positions", "window_ids"):
+        np.testing.assert_array_equal(getattr(remote, name), getattr(local, name))
+    for name in ("activation_sum", "top_acts", "window_acts"):
+        np.testing.assert_allclose(getattr(remote, name), getattr(local, name), rtol=1e-6)
+    assert ek.FeatureStats.open(tmp_path / "stats").contexts(0) == remote.contexts(0)
 
 
 def test_cli_corpus_commands_through_the_server(server, tiny2, tmp_path):
@@ -712,9 +867,8 @@ def test_cancel_through_a_connection_stops_the_lens_on_the_ranks(server, client)
 
     thread = threading.Thread(target=run)
     thread.start()
-    while client._lens_in_flight is None and thread.is_alive():
+    while thread.is_alive() and not client.cancel(thread):
         time.sleep(0.001)
-    assert client.cancel()
     thread.join(120)
     assert isinstance(box.get("error"), ek.Cancelled), box
     assert_same_lens(client.lens(PROMPT, top_k=3), expected)

@@ -39,6 +39,10 @@ from envoykit.model.readout import Readout, at, norm_parameters, normalize, walk
 from envoykit.ranks.heads import head_writes
 from envoykit.results.attribution import AttributionResult
 
+# How a per-head split that would not add up is refused (a post-norm family): the explorer
+# then attributes by layer only.
+HEADS_DO_NOT_ADD_UP = "this layer's attention write is not its heads' writes summed"
+
 
 @dataclass(frozen=True)
 class AttributionRequest:
@@ -183,9 +187,8 @@ def head_statistics(
     gap = (written - factor * summed).norm() / written.norm().clamp_min(1e-30)
     if gap > 1e-3:
         raise InvalidRequest(
-            "this layer's attention write is not its heads' writes summed (a norm or another "
-            f"nonlinear map follows the output projection; relative gap {float(gap):.2g}): "
-            "per-head attribution would not add up"
+            f"{HEADS_DO_NOT_ADD_UP} (a norm or another nonlinear map follows the output "
+            f"projection; relative gap {float(gap):.2g}): per-head attribution would not add up"
         )
     local = torch.einsum("hpd,pnd->hpn", writes, directions) * factor.float()
     return {

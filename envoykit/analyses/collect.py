@@ -56,7 +56,7 @@ def activations(
     layer_list = at(model, readout.layers)
     with guard(), model.trace(temperature=0.0, max_tokens=1) as tracer:
         for piece, kept in zip(batch, keep):
-            where = torch.tensor(kept)
+            where = torch.tensor(kept, dtype=torch.long)  # (empty for a short piece)
             with tracer.invoke(list(piece.ids)):
                 streams = walk(readout, layer_list, reads, {})
                 # A stream's pair summed, a block's write as it is.

@@ -27,7 +27,7 @@ from envoykit.analyses.patching import Patch, as_patches, plan_writes, source_wr
 from envoykit.analyses.request import (
     normalise_layers,
     normalise_positions,
-    normalise_prompts,
+    one_prompt,
     single_token_target,
 )
 from envoykit.analyses.steering import Steer, as_steers, plan_additions
@@ -105,8 +105,8 @@ def _token_ids(a: Run, b: Run, positions: Any) -> list[list[int]]:
     """Both runs' prompt token ids; without ``positions``, they must be as long."""
     ids = []
     for run in (a, b):
-        (prompt,) = normalise_prompts(run.prompt)
-        ids.append(list(run.engine.tokenizer(prompt)["input_ids"]))
+        limit = run.engine.info.max_model_len
+        ids.append(list(one_prompt(run.engine.tokenizer, run.prompt, limit, "compare")[1]))
     if positions is None and len(ids[0]) != len(ids[1]):
         tokenizer = b.engine.tokenizer
         shown = [[tokenizer.decode([i]) for i in seq] for seq in ids]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envoykit.analyses.request import check_count
 from envoykit.errors import InvalidRequest
 
 # Tokens per trace: enough documents that vLLM's steps are full (its batch takes up to the
@@ -137,14 +138,15 @@ def shipped_corpus() -> list[str]:
 
 
 def check_max_length(max_length: Any, context: int) -> int:
-    """The piece length a request asked for (None: the engine's context), checked."""
+    """The piece length a request asked for, checked; None is the longest a trace can run:
+    the engine's context less the one token each trace generates (vLLM counts it in)."""
+    longest = context - 1
     if max_length is None:
-        return context
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise InvalidRequest(f"max_length must be an integer >= 1, not {max_length!r}")
-    if max_length > context:
+        return longest
+    max_length = check_count("max_length", max_length, 1)
+    if max_length > longest:
         raise InvalidRequest(
-            f"max_length={max_length} exceeds the engine's max_model_len={context}: documents "
-            "are cut into pieces of at most the context's length"
+            f"max_length={max_length} exceeds {longest}, the engine's max_model_len={context} "
+            "less the one token each trace generates: documents are cut into pieces that fit"
         )
     return max_length

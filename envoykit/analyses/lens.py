@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from envoykit.analyses.request import SITES, LensRequest, Row
 from envoykit.analyses.steering import at_step
 from envoykit.model.readout import Addition, Readout, Write, at, normalize, walk, writes_by_layer
 from envoykit.model.vocab_shard import VocabShard
+from envoykit.ranks import fidelity as fidelity_on_ranks
 from envoykit.ranks import vocab_parallel
 from envoykit.ranks.cancel import stop_if_cancelled
 from envoykit.ranks.translators import translated
@@ -166,6 +168,7 @@ def run(
     translator: str | None = None,
     additions: Sequence[Addition] = (),
     cancel: str | None = None,
+    fidelity: Fidelity | None = None,
 ) -> list[LensResult]:
     """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt, the
     whole trace under ``guard`` (the engine's: nnsight cannot build two traces on one model
@@ -177,7 +180,10 @@ def run(
     residual-stream row but the last layer's goes through them before the final norm.
     ``additions`` (steering, `envoykit.analyses.steering`) go into the prompt's pass and,
     those at every position, into each generated token's. ``cancel``: the key that stops
-    this lens on the ranks when its flag goes up (`envoykit.ranks.cancel`).
+    this lens on the ranks when its flag goes up (`envoykit.ranks.cancel`). ``fidelity``: the
+    lens of one spliced prompt, measured against the plain run of the same prompt in an
+    invoke of its own before it (`Fidelity`); ``meta["splice"]`` gets the KL and the
+    cross-entropies per position.
 
     With ``generate=N`` the trace runs N+1 steps: the prompt's prefill, then each generated
     token as it is fed back, so every position in the result is an input token and its lens
@@ -198,6 +204,18 @@ def run(
     reduce_dtype = getattr(torch, request.reduce_dtype)
     top_k, steps_wanted = request.top_k, request.generate + 1
     with guard(), model.trace(temperature=0.0, max_tokens=steps_wanted) as tracer:
+        if fidelity is not None:
+            # The plain run first: vLLM takes the trace's requests in order, and within one
+            # step the invokes' code runs in order, so the ranks hold its distribution when
+            # the spliced invoke compares with it.
+            with tracer.invoke(request.prompts[0], max_tokens=1):
+                plain = walk(readout, layer_list, {readout.n_layers: {"resid"}}, fidelity.plain)
+                # (the unembedding reached from ``model`` inside this invoke: an envoy
+                # shipped without the tree above it has no root to find the logits
+                # processor by)
+                plain_shard = at(model, readout.unembedding).vocab_shard()
+                final = fidelity_on_ranks.final_logp(norm, plain_shard, plain[-1])
+                fidelity_on_ranks.remember(fidelity.key, final)
         for prompt in request.prompts:
             with tracer.invoke(prompt):
                 shard = head.vocab_shard()
@@ -220,14 +238,55 @@ def run(
                         budget,
                         cancel,
                     )
+                    if step == 0 and fidelity is not None:
+                        final = fidelity_on_ranks.final_logp(norm, shard, streams[-1])
+                        found = fidelity_on_ranks.compare(
+                            shard, fidelity.key, final, fidelity.next_ids
+                        )
+                        stats = {**stats, **{f"fidelity.{k}": v for k, v in found.items()}}
                     steps.append({key: value.cpu() for key, value in stats.items()})
                     samples.append(model.samples.cpu())
     if len(request.prompts) == 1:
         steps, samples = [steps], [samples]
+    if fidelity is not None:
+        first = steps[0][0]
+        meta = {**meta, "splice": {**meta["splice"], **splice_fidelity(first)}}
+        steps[0][0] = {k: v for k, v in first.items() if not k.startswith("fidelity.")}
     return [
         _assemble(model.tokenizer, request, meta, i, prompt_steps, prompt_samples, rows)
         for i, (prompt_steps, prompt_samples) in enumerate(zip(steps, samples))
     ]
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """A splice lens's comparison with the plain model: ``key`` names the plain run's
+    distribution on the ranks, ``next_ids`` the next token at each prompt position (-1 at
+    the last), ``plain`` the writes the plain run shares with the spliced one (all but the
+    splice), by layer."""
+
+    key: str
+    next_ids: tuple[int, ...]
+    plain: dict[int, list[Write | Addition]]
+
+
+def splice_fidelity(stats: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What a spliced lens records of its distance from the plain run, per prompt position:
+    ``kl`` (plain || spliced), the next token's cross-entropy under each (``ce_plain``,
+    ``ce_spliced``; the last position has no next token), and their mean difference
+    ``ce_increase`` (nats)."""
+    found = {
+        key.removeprefix("fidelity."): v for key, v in stats.items() if key.startswith("fidelity.")
+    }
+    plain, spliced = found["ce_plain"].double(), found["ce_spliced"].double()
+    known = ~torch.isnan(plain)
+    increase = float((spliced[known] - plain[known]).mean()) if bool(known.any()) else float("nan")
+    return {
+        "kl": [float(v) for v in found["kl"]],
+        "ce_plain": [None if torch.isnan(v) else float(v) for v in plain],
+        "ce_spliced": [None if torch.isnan(v) else float(v) for v in spliced],
+        "ce_increase": increase,
+    }
 
 
 def computed_rows(rows: Sequence[Row], n_layers: int) -> list[Row]:
@@ -257,7 +316,9 @@ def _assemble(
     keep = [computed.index(row) for row in request.rows]
     stats = {key: value[keep] for key, value in stats.items()}
     prompt_ids = list(request.prompt_ids[index])
-    generated = [int(s.flatten()[0]) for s in samples[: request.generate]]
+    # The tokens fed back: a generation that stops early (an end-of-sequence token) ran
+    # no step for its last sample, so the lens has no position for it.
+    generated = [int(s.flatten()[0]) for s in samples[: min(request.generate, len(steps) - 1)]]
     prompt_positions = (
         list(range(len(prompt_ids))) if request.positions is None else list(request.positions)
     )

@@ -7,6 +7,7 @@ tokenizer, and refused with an `InvalidRequest` that says what is valid.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +109,10 @@ def one_prompt(
 def check_head(head: Any, n_heads: int, what: str) -> int:
     """Head ``head`` (0-based over the whole model, negative from the end) as a number in
     ``0..n_heads-1``; `InvalidRequest` naming ``what`` asked for it otherwise."""
-    if isinstance(head, bool) or not isinstance(head, int) or not -n_heads <= head < n_heads:
+    if isinstance(head, bool) or not hasattr(head, "__index__"):
+        raise InvalidRequest(f"{what} head must be an integer, not {head!r}")
+    head = operator.index(head)
+    if not -n_heads <= head < n_heads:
         raise InvalidRequest(
             f"{what} head {head!r} is out of range: this model has {n_heads} heads "
             f"(0..{n_heads - 1})"
@@ -131,9 +135,11 @@ def normalise_prompts(prompt: Any) -> tuple[str, ...]:
 
 
 def check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an int, if it is an integer (a numpy one too) of at least ``minimum``."""
+    whole = not isinstance(value, bool) and hasattr(value, "__index__")
+    if not whole or operator.index(value) < minimum:
         raise InvalidRequest(f"{name} must be an integer >= {minimum}, not {value!r}")
-    return value
+    return operator.index(value)
 
 
 def as_list(value: Any) -> list:
@@ -152,18 +158,21 @@ def normalise_layers(layers: LayerSpec, n_layers: int) -> tuple[int, ...]:
     ``None``/``"all"`` is every decoder layer (1..n); ``"embed"`` adds the embedding;
     negative numbers count from the end (-1 is layer n).
     """
-    if layers is None or layers == "all":
+    if layers is None or (isinstance(layers, str) and layers == "all"):
         return tuple(range(1, n_layers + 1))
+    if hasattr(layers, "tolist"):  # a numpy array or integer, or a tensor
+        layers = layers.tolist()
     picked = set()
     for layer in as_list(list(layers) if isinstance(layers, range) else layers):
-        if layer == "embed":
+        if isinstance(layer, str) and layer == "embed":
             picked.add(0)
             continue
-        if layer == "all":
+        if isinstance(layer, str) and layer == "all":
             picked.update(range(1, n_layers + 1))
             continue
-        if isinstance(layer, bool) or not isinstance(layer, int):
+        if isinstance(layer, bool) or not hasattr(layer, "__index__"):
             raise InvalidRequest(f"a layer is an integer, 'embed' or 'all', not {layer!r}")
+        layer = operator.index(layer)
         number = layer + n_layers + 1 if layer < 0 else layer
         if not 0 <= number <= n_layers:
             raise InvalidRequest(

@@ -27,8 +27,10 @@ import numpy as np
 import torch
 
 from envoykit.analyses.request import normalise_layers, normalise_prompts
+from envoykit.analyses.sae import SAE, Clamp
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Cell, Readout, at, walk, writes_by_layer
+from envoykit.ranks.sae import SAEEdit
 
 STEER_SITES = ("resid", "resid_mid")
 # Prompts per trace of `mean_difference`: vLLM batches each trace's prompts into its steps.
@@ -55,6 +57,27 @@ class Steer:
     scale: float = 1.0
     norm_match: bool = False
 
+    @classmethod
+    def from_feature(
+        cls,
+        sae: Any,
+        feature: int,
+        scale: float = 1.0,
+        *,
+        positions: int | Sequence[int] | None = None,
+        norm_match: bool = False,
+    ) -> Steer:
+        """Add ``scale`` times an SAE feature's decoder direction (``W_dec[feature]``) where
+        the SAE reads: its residual-stream site, or, for an SAE of what a block writes, the
+        stream that write goes into (after the layer for "mlp", between its blocks for
+        "attn")."""
+        from envoykit.analyses.sae import SAE
+
+        if not isinstance(sae, SAE):
+            raise InvalidRequest(f"Steer.from_feature takes an ek.SAE, not {type(sae).__name__}")
+        site = {"mlp": "resid", "attn": "resid_mid"}.get(sae.site, sae.site)
+        return cls(sae.direction(feature), sae.layer, site, positions, scale, norm_match)
+
     def scaled(self, scale: float) -> Steer:
         """This steer at another strength."""
         return Steer(self.vector, self.layer, self.site, self.positions, scale, self.norm_match)
@@ -76,14 +99,17 @@ class Steer:
         }
 
 
-def as_steers(steer: Steer | Sequence[Steer] | None) -> list[Steer]:
-    """One steer, a list of them (they add up), or None, as a list; anything else refused."""
+def as_steers(steer: Steer | Clamp | Sequence[Steer | Clamp] | None) -> list[Steer | Clamp]:
+    """One steer (or SAE clamp), a list of them (they add up), or None, as a list; anything
+    else refused."""
     if steer is None:
         return []
-    steers = [steer] if isinstance(steer, Steer) else list(steer)
+    steers = [steer] if isinstance(steer, (Steer, Clamp)) else list(steer)
     for item in steers:
-        if not isinstance(item, Steer):
-            raise InvalidRequest(f"steer takes ek.Steer objects, not {type(item).__name__}")
+        if not isinstance(item, (Steer, Clamp)):
+            raise InvalidRequest(
+                f"steer takes ek.Steer objects (or ek.Clamp), not {type(item).__name__}"
+            )
     return steers
 
 
@@ -92,8 +118,11 @@ def plan_additions(
 ) -> list[Addition]:
     """The checked `Addition` of each steer into a prompt of ``length`` tokens (None: a
     trace whose prompts are not known here, where only ``positions=None`` is meaningful)."""
-    additions = []
+    additions: list[Addition] = []
     for steer in steers:
+        if isinstance(steer, Clamp):
+            additions.append(plan_clamp(steer, n_layers, length))
+            continue
         vector = check_vector(steer.vector, d_model)
         (scale,) = check_scales([steer.scale])
         layer = check_site(steer.layer, steer.site, n_layers)
@@ -106,6 +135,40 @@ def plan_additions(
             )
         )
     return additions
+
+
+def plan_clamp(clamp: Clamp, n_layers: int, length: int | None) -> SAEEdit:
+    """The edit a clamp makes on the ranks (its SAE installed there under its key)."""
+    pairs = clamp.pairs()
+    if clamp.site not in STEER_SITES:
+        raise InvalidRequest(
+            f"a clamp edits the residual stream: this SAE reads {clamp.site!r} (its features "
+            "can be read with engine.features; Steer.from_feature adds their directions)"
+        )
+    layer = check_site(clamp.layer, clamp.site, n_layers)
+    return SAEEdit(
+        Cell(layer, clamp.site, None),
+        torch.zeros(0),
+        _positions(clamp.positions, length),
+        key=clamp.sae.key,
+        clamps=pairs,
+    )
+
+
+def plan_splice(sae: SAE, n_layers: int, keep_error: bool) -> SAEEdit:
+    """The edit that puts ``sae``'s reconstruction in place of the stream at its site, at
+    every position of every step."""
+    if sae.site not in STEER_SITES:
+        raise InvalidRequest(
+            f"a splice replaces the residual stream: this SAE reads {sae.site!r} (its "
+            "features can be read with engine.features)"
+        )
+    if not isinstance(keep_error, bool):
+        raise InvalidRequest(f"keep_error is True or False, not {keep_error!r}")
+    layer = check_site(sae.layer, sae.site, n_layers)
+    return SAEEdit(
+        Cell(layer, sae.site, None), torch.zeros(0), None, key=sae.key, keep_error=keep_error
+    )
 
 
 def check_site(layer: Any, site: str, n_layers: int) -> int:

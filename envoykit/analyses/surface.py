@@ -17,18 +17,22 @@ the guard is free, so a long sweep lets other requests in.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import uuid
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from envoykit.analyses import selfcheck
+from envoykit.analyses.in_flight import LensesInFlight
 from envoykit.errors import Cancelled, InvalidRequest
-from envoykit.model.readout import Readout
+from envoykit.model.readout import Readout, writes_by_layer
 from envoykit.ranks.cancel import is_cancellation
 
 if TYPE_CHECKING:
     from envoykit.analyses.patching import Ablate, Patch
+    from envoykit.analyses.sae import SAE
     from envoykit.analyses.steering import Steer
     from envoykit.analyses.tuned import TunedLens
     from envoykit.results.activations import Activations
@@ -55,23 +59,25 @@ class EngineSurface:
     def exclusive(self) -> AbstractContextManager:
         raise NotImplementedError
 
-    # The cancel key of the lens running now (`cancel`), None between lenses.
-    _lens_in_flight: str | None = None
+    @functools.cached_property
+    def _lenses_in_flight(self) -> LensesInFlight:
+        return LensesInFlight()
 
     @property
     def tokenizer(self) -> Any:
         return self.model.tokenizer
 
-    def cancel(self) -> bool:
-        """Stop the lens in flight, started on another thread (the explorer's Run, a
+    def cancel(self, thread: threading.Thread | None = None) -> str | None:
+        """Stop a lens in flight, started on another thread (the explorer's Run, a
         notebook's background work): the ranks stop it before its next chunk of reductions
         (`envoykit.ranks.cancel`), and it raises `ek.Cancelled`. The engine serves the next
-        request as usual. Returns whether a lens was in flight."""
-        key = self._lens_in_flight
-        if key is None:
-            return False
-        self._raise_cancel_flag(key)
-        return True
+        request as usual. ``thread``: the thread whose lens to stop; without it, the lens on
+        the ranks now (or the one lens waiting for them). Returns the stopped lens's cancel
+        key, None (falsy) when no such lens was in flight."""
+        key = self._lenses_in_flight.key(thread)
+        if key is not None:
+            self._raise_cancel_flag(key)
+        return key
 
     def _raise_cancel_flag(self, key: str) -> None:
         """Put up the cancel flag of lens ``key`` where its ranks look."""
@@ -96,6 +102,7 @@ class EngineSurface:
 
         steers = self._steers(steer)
         if not steers:
+            prompt, _, max_tokens = self._generation_ids(prompt, max_tokens)  # not by vLLM
             output = self._greedy(prompt, max_tokens)
             return Generation(output.text, output.token_ids)
         (ids,), meta, _ = self._steered_ids(prompt, [steers], max_tokens)
@@ -113,11 +120,15 @@ class EngineSurface:
 
     def _steers(self, steer: Any) -> list[Steer]:
         """``steer`` as a list, each `SteeringVector` in it checked against this model."""
+        from envoykit.analyses.sae import Clamp
         from envoykit.analyses.steering import as_steers
         from envoykit.results.identity import check_same_model
 
         steers = as_steers(steer)
         for item in steers:
+            if isinstance(item, Clamp):
+                self._require_sae(item.sae)
+                continue
             model = getattr(item.vector, "model", None)
             if model is not None:
                 check_same_model(
@@ -152,17 +163,9 @@ class EngineSurface:
         ``lens`` = (layers, target ids) each run's lens at the last prompt position
         (`steering.generated_ids`; else None)."""
         from envoykit.analyses import steering
-        from envoykit.analyses.request import one_prompt
 
         info = self.info
-        prompt, ids = one_prompt(self.tokenizer, prompt, info.max_model_len, "generate")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
-        if len(ids) + max_tokens > info.max_model_len:
-            raise InvalidRequest(
-                f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the engine's "
-                f"max_model_len={info.max_model_len}"
-            )
+        prompt, ids, max_tokens = self._generation_ids(prompt, max_tokens)
         planned = [
             steering.plan_additions(steers, info.n_layers, info.d_model, len(ids))
             for steers in runs
@@ -176,6 +179,20 @@ class EngineSurface:
         meta.pop("vocab")
         result = [steering.until_stop(run, stops) for run in found]
         return result, meta, stats
+
+    def _generation_ids(self, prompt: Any, max_tokens: Any) -> tuple[str, tuple[int, ...], int]:
+        """A generation's prompt, its ids and ``max_tokens``, checked against the context."""
+        from envoykit.analyses.request import check_count, one_prompt
+
+        limit = self.info.max_model_len
+        prompt, ids = one_prompt(self.tokenizer, prompt, limit, "generate")
+        max_tokens = check_count("max_tokens", max_tokens, 1)
+        if len(ids) + max_tokens > limit:
+            raise InvalidRequest(
+                f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the engine's "
+                f"max_model_len={limit}"
+            )
+        return prompt, ids, max_tokens
 
     def trace(
         self, *prompts: Any, steer: Steer | Sequence[Steer] | None = None, **kwargs: Any
@@ -218,6 +235,8 @@ class EngineSurface:
         compare: bool = False,
         translator: TunedLens | None = None,
         steer: Steer | Sequence[Steer] | None = None,
+        splice: SAE | None = None,
+        keep_error: bool = False,
     ) -> Any:
         """Logit lens of ``prompt`` in one forward pass, reduced on the ranks.
 
@@ -236,6 +255,10 @@ class EngineSurface:
         translators on the ranks (a tuned lens), and ``meta["lens"]`` says "tuned".
         ``steer``: an `ek.Steer` or a list of them (they add up); the lens is that of the
         steered run (with ``generate=N``, of the steered generation), ``meta["steer"]`` says so.
+        An `ek.Clamp` (SAE features set to values) is accepted as a ``patch`` or a ``steer``.
+        ``splice``: an `ek.SAE` of a residual-stream site; the model runs with the SAE's
+        reconstruction in place of the stream there, at every position and step (with
+        ``keep_error``, plus the SAE's error), and ``meta["splice"]`` says so.
 
         Returns a `LensResult` (a list of them for a list of prompts).
         """
@@ -247,6 +270,9 @@ class EngineSurface:
                 "generate": generate != 0,
                 "reduce_dtype": reduce_dtype != "float32",
                 "steer": steer is not None,
+                "splice": splice is not None,
+                # (each cell's top-1 of both runs: its own statistics, of no top-k)
+                "top_k": top_k != 10,
             }
             refuse_with_compare([name for name, given in ignored.items() if given])
             return self._compare_prompts(prompt, layers, positions, targets, sites, patch)
@@ -265,6 +291,9 @@ class EngineSurface:
             sites=sites,
             reduce_dtype=reduce_dtype,
         )
+        clamps, patch = split_clamps(patch)
+        if clamps:
+            steer = [*as_list_of(steer), *clamps]
         patches = patching.as_patches(patch)
         plan = self._patch_plan(req, patches)
         self.readout.require("the lens")
@@ -279,32 +308,144 @@ class EngineSurface:
         additions = self._additions(steers, req)
         if additions:
             meta["steer"] = [item.describe() for item in steers]
+        if splice is not None and len(req.prompts) != 1:
+            raise InvalidRequest("a splice lens runs one prompt, not a list of them")
         model, readout, guard = self.model, self.readout, self.exclusive
-        writes = patching.source_writes(model, readout, plan, guard)
-        cancel = self._lens_in_flight = uuid.uuid4().hex
-        try:
-            results = lens.run(
-                model,
-                readout,
-                req,
-                meta,
-                guard,
-                writes=writes,
-                translator=key,
-                additions=additions,
-                cancel=cancel,
-            )
-        except Exception as error:
-            if is_cancellation(error, cancel):
-                raise Cancelled(
-                    "the lens was cancelled (engine.cancel()); the engine is ready for the "
-                    "next request"
-                ) from None
-            raise
-        finally:
-            self._lens_in_flight = None
-            self._lower_cancel_flag(cancel)
+        # Registered before the sources are read: a cancel heard meanwhile stops the lens
+        # at its first chunk.
+        in_flight = self._lenses_in_flight
+        with in_flight.lens() as cancel:
+            writes = patching.source_writes(model, readout, plan, guard)
+            fidelity = None
+            if splice is not None:
+                edit = self._splice(splice, keep_error)
+                meta["splice"] = {**splice.describe(), "keep_error": keep_error}
+                plain = writes_by_layer([*writes, *additions])
+                fidelity = lens.Fidelity(uuid.uuid4().hex, (*req.prompt_ids[0][1:], -1), plain)
+                additions = [*additions, edit]
+            try:
+                results = lens.run(
+                    model,
+                    readout,
+                    req,
+                    meta,
+                    in_flight.guard(cancel, guard),
+                    writes=writes,
+                    translator=key,
+                    additions=additions,
+                    cancel=cancel,
+                    fidelity=fidelity,
+                )
+            except Exception as error:
+                if is_cancellation(error, cancel):
+                    raise Cancelled(
+                        "the lens was cancelled (engine.cancel()); the engine is ready for "
+                        "the next request"
+                    ) from None
+                raise
+            finally:
+                self._lower_cancel_flag(cancel)
         return results if isinstance(prompt, (list, tuple)) else results[0]
+
+    def features(
+        self,
+        prompt: str | Sequence[str],
+        sae: SAE | Sequence[SAE],
+        *,
+        top_k: int = 16,
+        features: Any = None,
+    ) -> Any:
+        """SAE features of ``prompt``, each rank encoding its own slice of the features (see
+        `envoykit.analyses.features`). ``sae``: an `ek.SAE` or a list of them (read in one
+        trace). ``top_k``: features kept per token. ``features``: ids (of one SAE) whose
+        activation at every token is returned too (`FeatureResult.activation`).
+
+        Returns a `FeatureResult` (a list of them for a list of SAEs; for a list of prompts,
+        a list of those).
+        """
+        from envoykit.analyses import features as reading
+
+        self.readout.require("SAE features")
+        req = reading.build_request(
+            self.tokenizer, self.info, prompt, sae, top_k=top_k, features=features
+        )
+        self._require_sites([item.site for item in req.saes])
+        for item in req.saes:
+            self._install_sae(item)
+        found = reading.run(self.model, self.readout, req, self._result_meta(), self.exclusive)
+        per_prompt = [items if isinstance(sae, (list, tuple)) else items[0] for items in found]
+        return per_prompt if isinstance(prompt, (list, tuple)) else per_prompt[0]
+
+    def attribute_features(
+        self,
+        prompt: str,
+        sae: SAE,
+        targets: str | int | Sequence[str | int],
+        *,
+        positions: int | Sequence[int] | None = None,
+        top_k: int = 10,
+    ) -> Any:
+        """Each SAE feature's direct effect on the targets' logits: its activation times
+        its decoder row, through the final norm frozen on the final stream (as `attribute`
+        does). Returns a `FeatureAttributionResult` of the ``top_k`` features by absolute
+        effect per position and target, whose features, error and decoder bias add up to
+        the effect of the SAE's site itself."""
+        from envoykit.analyses import features as reading
+
+        self.readout.require("feature attribution")
+        selfcheck.require(self.info, "attribution")
+        req = reading.build_attribution_request(
+            self.tokenizer, self.info, prompt, sae, targets, positions=positions, top_k=top_k
+        )
+        self._require_sae(req.sae)
+        return reading.attribute(self.model, self.readout, req, self._result_meta(), self.exclusive)
+
+    def feature_logits(self, sae: SAE, features: int | Sequence[int], *, k: int = 10) -> Any:
+        """The ``k`` tokens each feature's decoder direction raises and lowers most (its
+        logit effects), computed on the ranks against their vocabulary slices: a
+        `FeatureLogitsResult`."""
+        from envoykit.analyses import features as reading
+
+        (sae,) = reading.as_saes(sae)
+        many = isinstance(features, (list, tuple, range)) or hasattr(features, "__array__")
+        ids = [sae.check_feature(f) for f in (features if many else [features])]
+        if not ids:
+            raise InvalidRequest("feature_logits needs at least one feature id")
+        k = reading.check_count("k", int(k) if hasattr(k, "__index__") else k, 1)
+        self._require_sae(sae)
+        return reading.logit_effects(
+            self.model,
+            self.readout,
+            sae,
+            ids,
+            min(k, self.info.vocab),
+            self._result_meta(),
+            self.exclusive,
+        )
+
+    def _require_sae(self, sae: SAE) -> str:
+        """``sae`` checked against this model and installed on the ranks; its key."""
+        from envoykit.analyses.sae import SAE
+
+        if not isinstance(sae, SAE):
+            raise InvalidRequest(f"expected an ek.SAE, not {type(sae).__name__}")
+        sae.check_engine(self.info)
+        self.readout.require("SAE features")
+        self._require_sites([sae.site])
+        return self._install_sae(sae)
+
+    def _splice(self, sae: SAE, keep_error: bool) -> Any:
+        """The edit of a splice lens, its SAE installed."""
+        from envoykit.analyses.steering import plan_splice
+
+        edit = plan_splice(sae, self.info.n_layers, keep_error)
+        self._require_sae(sae)
+        return edit
+
+    def _install_sae(self, sae: SAE) -> str:
+        """Make ``sae``'s slices available on the ranks; its key. Engines that can reach
+        their ranks override this."""
+        raise InvalidRequest(f"{type(self).__name__} cannot install SAEs on its ranks")
 
     def _patch_plan(self, req: Any, patches: list[Patch | Ablate]) -> Any:
         """Where each patch writes in the one prompt of ``req`` (`patching.plan_writes`)."""
@@ -721,8 +862,9 @@ class EngineSurface:
         top_k = request.check_count("top_k", top_k, minimum=1)
         if top_k > info.vocab:
             raise InvalidRequest(f"top_k={top_k} exceeds the vocabulary size ({info.vocab})")
-        if not 0 < confidence < 1 or isinstance(n_boot, bool) or not isinstance(n_boot, int):
-            raise InvalidRequest("confidence lies in (0, 1) and n_boot is an integer >= 1")
+        n_boot = request.check_count("n_boot", n_boot, minimum=1)
+        if not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
+            raise InvalidRequest(f"confidence lies in (0, 1), not {confidence!r}")
         length = corpus.check_max_length(max_length, info.max_model_len)
         batch = request.check_count("batch_tokens", batch_tokens, minimum=1)
         documents = corpus.documents(texts)
@@ -760,6 +902,69 @@ class EngineSurface:
             seed=seed,
             meta={"lens": "logit", **meta},
         )
+
+    def feature_stats(
+        self,
+        texts: Any,
+        sae: SAE,
+        *,
+        contexts: int = 20,
+        window: int = 16,
+        out: str | None = None,
+        max_length: int | None = None,
+        batch_tokens: int = 4096,
+        progress: bool = True,
+    ) -> Any:
+        """Every feature of ``sae`` over a corpus: firing frequency, mean and maximum
+        activation, a histogram, and its ``contexts`` max-activating contexts (a window of
+        ``window`` tokens each, the feature's activation at every one), reduced on the ranks
+        (see `envoykit.analyses.feature_stats`). Returns a `FeatureStats`.
+
+        ``texts``, ``max_length``, ``batch_tokens``, ``progress``: as in `collect`. ``out``:
+        a directory to keep the statistics in (`ek.FeatureStats.open` reads it back), written
+        as the run goes; run the same call again after an interrupt and it continues.
+        """
+        from envoykit.analyses import corpus
+        from envoykit.analyses import feature_stats as stats
+        from envoykit.results.feature_stats import StatsWriter
+
+        info = self.info
+        req = stats.build_request(
+            info,
+            sae,
+            contexts=contexts,
+            window=window,
+            max_length=max_length,
+            batch_tokens=batch_tokens,
+        )
+        self._require_sae(req.sae)
+        documents = corpus.documents(texts)
+        total = corpus.total_tokens(self.tokenizer, texts, info.vocab)
+        meta = {**self._result_meta(), "sae": req.sae.describe()}
+        meta.pop("vocab")
+        settings = {
+            "model": self.fingerprint(),
+            "sae": req.sae.key,
+            "contexts": req.contexts,
+            "window": req.window,
+            "max_length": req.max_length,
+        }
+        writer = None if out is None else StatsWriter.open(out, settings)
+        with corpus.progress_bar(progress, "feature stats", total) as bar:
+            if total is not None and writer is not None and writer.index["tokens"]:
+                bar.update(writer.index["tokens"])
+            return stats.run(
+                self.model,
+                self.readout,
+                self.tokenizer,
+                documents,
+                req,
+                info.vocab,
+                meta,
+                writer,
+                self.exclusive,
+                bar,
+            )
 
     def _require_sites(self, sites: Sequence[str]) -> None:
         """Refuse what this model's layers cannot give, or what the self-check disabled."""
@@ -802,3 +1007,23 @@ def refuse_with_compare(names: Sequence[str]) -> None:
             "logit lens of two prompts' own tokens (in float64 on the ranks); run engine.lens "
             "on each prompt with those options instead"
         )
+
+
+def split_clamps(patch: Any) -> tuple[list, Any]:
+    """The `ek.Clamp`s among a lens's ``patch`` (they are steers: edits of the stream by
+    SAE features), and the rest of it."""
+    from envoykit.analyses.sae import Clamp
+
+    items = as_list_of(patch)
+    clamps = [item for item in items if isinstance(item, Clamp)]
+    if not clamps:
+        return [], patch
+    rest = [item for item in items if not isinstance(item, Clamp)]
+    return clamps, rest or None
+
+
+def as_list_of(value: Any) -> list:
+    """None, one object or a list of them, as a list."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

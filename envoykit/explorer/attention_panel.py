@@ -57,11 +57,11 @@ class AttentionPanel(widgets.VBox):
     def selected(self) -> list[int] | None:
         return self.view.selected
 
-    def say(self, text: str, *, error: bool = False) -> None:
+    def say(self, text: str, *, error: bool = False, details: str = "") -> None:
         """Show ``text`` in place of the view."""
         self.result, self.query, self._attribution = None, None, None
         self.view.data = {}
-        self._head(text, error=error)
+        self._head(text, error=error, details=details)
 
     def busy(self, text: str) -> None:
         """Say what is being computed; what is drawn stays until the new one lands."""
@@ -128,5 +128,5 @@ class AttentionPanel(widgets.VBox):
             self._whole[key] = self.fetch(layer, head)
         return self._whole.get(key)
 
-    def _head(self, text: str, *, error: bool = False) -> None:
-        self.header.value = f"<b>{TITLE}</b>{message_html(text, error=error)}"
+    def _head(self, text: str, *, error: bool = False, details: str = "") -> None:
+        self.header.value = f"<b>{TITLE}</b>{message_html(text, error=error, details=details)}"

@@ -35,11 +35,11 @@ class AttributionPanel(widgets.VBox):
         super().__init__([self.header, self.view])
         self.add_class("ek-attribution")
 
-    def say(self, text: str, *, error: bool = False) -> None:
+    def say(self, text: str, *, error: bool = False, details: str = "") -> None:
         """Show ``text`` in place of a figure."""
         self.result, self.figure = None, None
         self.view.outputs = ()
-        self._head(text, error=error)
+        self._head(text, error=error, details=details)
 
     def busy(self, text: str) -> None:
         """Say what is being computed; the figure drawn so far stays until the new one lands."""
@@ -66,5 +66,5 @@ class AttributionPanel(widgets.VBox):
             f"the layer of row {row} is shaded"
         )
 
-    def _head(self, text: str, *, error: bool = False) -> None:
-        self.header.value = f"<b>{TITLE}</b>{message_html(text, error=error)}"
+    def _head(self, text: str, *, error: bool = False, details: str = "") -> None:
+        self.header.value = f"<b>{TITLE}</b>{message_html(text, error=error, details=details)}"

@@ -139,13 +139,13 @@ class ComparePanel(widgets.VBox):
         self.source_header.value = ""
         self.say_diff("")
 
-    def say_diff(self, text: str, *, error: bool = False) -> None:
-        """Show ``text`` in place of the diff."""
+    def say_diff(self, text: str, *, error: bool = False, details: str = "") -> None:
+        """Show ``text`` in place of the diff (``details``: a traceback, folded)."""
         self.result = None
         self.diff.data = {}
-        self.diff_header.value = _head("diff", text, error=error)
+        self.diff_header.value = _head("diff", text, error=error, details=details)
 
 
-def _head(title: str, text: str, *, error: bool = False) -> str:
+def _head(title: str, text: str, *, error: bool = False, details: str = "") -> str:
     """A bold title over a line of text, both escaped (they quote prompts)."""
-    return f"<b>{html.escape(title)}</b>{message_html(text, error=error)}"
+    return f"<b>{html.escape(title)}</b>{message_html(text, error=error, details=details)}"

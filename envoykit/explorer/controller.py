@@ -39,9 +39,11 @@ import numpy as np
 import traitlets
 
 from envoykit import plot
+from envoykit.analyses.attribution import HEADS_DO_NOT_ADD_UP
 from envoykit.analyses.compare import compare
 from envoykit.analyses.patching import Patch
 from envoykit.analyses.request import Row, describe_target
+from envoykit.analyses.sae import SAE
 from envoykit.analyses.tuned import TunedLens
 from envoykit.errors import Cancelled, InvalidRequest
 from envoykit.explorer import export, rows
@@ -51,11 +53,13 @@ from envoykit.explorer.compare_panel import (
     patched_cell,
 )
 from envoykit.explorer.corpus_panel import CorpusPanel
+from envoykit.explorer.features_panel import FeaturesPanel
 from envoykit.explorer.layout import ExplorerLayout, typed_targets
 from envoykit.explorer.outputs import (
     ENGINE_ERRORS,
     ERROR,
     WARNING,
+    failure,
     figure_output,
     message_html,
     text_output,
@@ -88,6 +92,8 @@ class LensExplorer(ExplorerLayout):
 
     ``translator`` (or `set_translator`) offers a tuned lens: a lens selector appears and
     Run applies the translators on the ranks when it reads "tuned lens".
+
+    ``sae`` (an `ek.SAE`) adds the Features panel (`features_panel`) on this prompt.
     """
 
     def __init__(
@@ -100,6 +106,7 @@ class LensExplorer(ExplorerLayout):
         metric: str = "prob",
         compare_with: str = "",
         translator: TunedLens | None = None,
+        sae: SAE | None = None,
     ) -> None:
         readonly = isinstance(source, LensResult)
         self.engine = None if readonly else source
@@ -147,7 +154,9 @@ class LensExplorer(ExplorerLayout):
             view.observe(self._on_other_pinned, "pinned")
         self.compare.observe(self._on_compare, "value")
         # The Run button's lens on a thread of its own: the notebook stays usable meanwhile.
-        self.work = Background("envoykit-lens", lambda why: self._refused(f"the run failed: {why}"))
+        self.work = Background(
+            "envoykit-lens", lambda why, details: self._refused(f"the run failed: {why}", details)
+        )
         self.run_button.on_click(lambda _: self.work.start(self.run))
         self.cancel_button.on_click(lambda _: self.cancel())
         self.sweep_panel.button.on_click(lambda _: self.sweep_panel.start(self.run_sweep))
@@ -156,6 +165,7 @@ class LensExplorer(ExplorerLayout):
         self.steering_panel = None if readonly else self._add_steering_panel()
         self.corpus_panel = None if readonly else self._add_corpus_panel()
         self.training_panel = None if readonly else self._add_training_panel()
+        self.features_panel = None if readonly or sae is None else self._add_features_panel(sae)
         self._on_compare()
         self._on_targets()
         if metric in self._metric_keys():
@@ -219,6 +229,15 @@ class LensExplorer(ExplorerLayout):
         self.children = (*self.children, panel)
         return panel
 
+    def _add_features_panel(self, sae: SAE) -> FeaturesPanel:
+        """The Features panel under the other views, reading this explorer's prompt (its
+        own prompt box hidden and linked to the explorer's)."""
+        panel = FeaturesPanel(self.engine, sae, prompt=self.prompt.value)
+        widgets.link((self.prompt, "value"), (panel.prompt, "value"))
+        panel.prompt.layout.display = "none"
+        self.children = (*self.children, panel)
+        return panel
+
     # -- actions ---------------------------------------------------------------------------
 
     def run(self) -> LensResult | None:
@@ -258,15 +277,17 @@ class LensExplorer(ExplorerLayout):
         """Stop the Run in flight (same as pressing Cancel): the ranks stop its lens before
         their next chunk of work (a second prompt's lens not begun does not start), and the
         explorer says it was cancelled. Whether a Run was in flight."""
-        if self.engine is None or not self.work.busy:
+        run = self.work.thread
+        if self.engine is None or run is None or not run.is_alive():
             return False
         self._cancelling.set()
         self.status.value = "<i>cancelling…</i>"
 
         # A Cancel heard before the lens is on the ranks (while its request is checked and
-        # tokenized) waits for it: `engine.cancel` stops only a lens in flight.
+        # tokenized) waits for it: `engine.cancel` stops only a lens in flight. It stops
+        # this Run's lens only (its thread's), and gives up once the Run has ended.
         def until_cancelled() -> None:
-            while self._cancelling.is_set() and not self.engine.cancel():
+            while self._cancelling.is_set() and run.is_alive() and not self.engine.cancel(run):
                 time.sleep(0.02)
 
         threading.Thread(target=until_cancelled, name="envoykit-cancel", daemon=True).start()
@@ -405,6 +426,8 @@ class LensExplorer(ExplorerLayout):
             self._show_comparison()
             return result
         finally:
+            # A Cancel pressed while the result was drawn is for this Run, not the next.
+            self._cancelling.clear()
             self.run_button.disabled, self.cancel_button.disabled = False, True
             self.run_button.description = "Run"
 
@@ -444,9 +467,10 @@ class LensExplorer(ExplorerLayout):
         tokens = sum(len(self.engine.tokenizer(text)["input_ids"]) for text in prompts)
         return max(1, len(picked) * tokens)
 
-    def _refused(self, text: str) -> None:
-        """Say why the run was refused; what is still drawn is marked as the previous run."""
-        self._say(text, True)
+    def _refused(self, text: str, details: str = "") -> None:
+        """Say why the run was refused (``details``: a bug's traceback, folded); what is
+        still drawn is marked as the previous run."""
+        self._say(text, True, details)
         if self.result is None:
             self.status.value = ""
             return
@@ -484,8 +508,9 @@ class LensExplorer(ExplorerLayout):
                     targets=targets,
                 )
                 names, about = ("clean", "patched"), "the first prompt's run → its patched run"
-        except ENGINE_ERRORS as err:
-            panel.say_diff(str(err), error=True)
+        except Exception as err:  # on the kernel's thread: said here, or nowhere
+            line, details = failure(err)
+            panel.say_diff(line, error=True, details=details)
             return
         panel.show_diff(res, names, about)
         panel.diff.pinned = list(self.heatmap.pinned)
@@ -548,8 +573,8 @@ class LensExplorer(ExplorerLayout):
         }
         return [*typed, *(i for i in self.heatmap.pinned if i not in typed_ids)]
 
-    def _say(self, text: str, error: bool = False) -> None:
-        self.message.value = message_html(text, error=error)
+    def _say(self, text: str, error: bool = False, details: str = "") -> None:
+        self.message.value = message_html(text, error=error, details=details)
 
     def _on_targets(self, _: Any = None) -> None:
         if self.engine is None:
@@ -756,17 +781,23 @@ class LensExplorer(ExplorerLayout):
             panel.busy(f"attributing at position {position}")
             try:
                 att = self._attribute(prompt, target, position)
-            except ENGINE_ERRORS as err:
-                panel.say(str(err), error=True)
+            except Exception as err:  # on the kernel's thread: said here, or nowhere
+                line, details = failure(err)
+                panel.say(line, error=True, details=details)
                 return
         panel.show(att, target, layer=int(shown.layers[row]), row=shown.layer_labels[row])
 
     def _attribute(self, prompt: str, target: int, position: int) -> AttributionResult:
         """The attribution at one position, split into heads where the model allows it (the
-        attention panel draws the heads); else by layer only."""
+        attention panel draws the heads); else by layer only. Only the refusals of the head
+        split fall back: any other refusal is the attribution's own, and is said."""
+        if isinstance(self.engine.readout.heads, str):  # no head layout here
+            return self.engine.attribute(prompt, [target], positions=[position])
         try:
             return self.engine.attribute(prompt, [target], positions=[position], heads=True)
-        except InvalidRequest:
+        except InvalidRequest as err:
+            if HEADS_DO_NOT_ADD_UP not in str(err):
+                raise
             return self.engine.attribute(prompt, [target], positions=[position])
 
     def _draw_attention(self) -> None:
@@ -796,8 +827,9 @@ class LensExplorer(ExplorerLayout):
         engine = self.engine
         try:
             res = engine.attention(prompt, queries=[position])
-        except ENGINE_ERRORS as err:
-            panel.say(str(err), error=True)
+        except Exception as err:  # on the kernel's thread: said here, or nowhere
+            line, details = failure(err)
+            panel.say(line, error=True, details=details)
             return
         panel.fetch = lambda layer, head: engine.attention(prompt, layers=[layer], heads=[head])
         att = self.attribution_panel.result

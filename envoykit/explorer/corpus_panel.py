@@ -93,7 +93,10 @@ class CorpusPanel(widgets.VBox):
         self.tuned_result: CorpusLensResult | None = None
         self.figure: Any = None
         self.work = Background(
-            "envoykit-corpus", lambda why: self.say(f"the corpus lens failed: {why}", error=True)
+            "envoykit-corpus",
+            lambda why, details: self.say(
+                f"the corpus lens failed: {why}", error=True, details=details
+            ),
         )
         self.button.on_click(lambda _: self.start())
         super().__init__(
@@ -175,12 +178,14 @@ class CorpusPanel(widgets.VBox):
             f"{result.top_k})" + ("" if took is None else f"; took {took:.1f} s")
         )
 
-    def say(self, text: str, *, error: bool = False) -> None:
+    def say(self, text: str, *, error: bool = False, details: str = "") -> None:
         """Show ``text`` in place of a figure; an error also clears the result."""
         if error:
             self.result = self.tuned_result = self.figure = None
             self.view.outputs = ()
-        self._head(text, error=error)
+        self._head(text, error=error, details=details)
 
-    def _head(self, text: str, *, error: bool = False) -> None:
-        self.header.value = f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error)}"
+    def _head(self, text: str, *, error: bool = False, details: str = "") -> None:
+        self.header.value = (
+            f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error, details=details)}"
+        )

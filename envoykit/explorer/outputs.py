@@ -13,13 +13,23 @@ from __future__ import annotations
 import base64
 import html
 import io
+import traceback
 from typing import Any
 
 from envoykit.errors import EnvoykitError
 
-# What the explorer shows as a message instead of a traceback: envoykit's own refusals, and
-# what nnsight raises for an error on the ranks (a RuntimeError naming the rank's error).
-ENGINE_ERRORS = (EnvoykitError, RuntimeError)
+# What the explorer shows as a one-line message: envoykit's own refusals (a bad request, a
+# dead engine, a cancel). Anything else is a bug, shown with its traceback (`failure`).
+ENGINE_ERRORS = (EnvoykitError,)
+
+
+def failure(err: BaseException) -> tuple[str, str]:
+    """What to say of ``err``: its line, and for an error envoykit did not mean to raise
+    (a bug, or a library's error it let through) the traceback, to show under a collapsed
+    "details" (`message_html`) where a one-line message would hide where it came from."""
+    if isinstance(err, ENGINE_ERRORS):
+        return str(err), ""
+    return f"{type(err).__name__}: {err}", "".join(traceback.format_exception(err))
 
 
 # The ink of a panel figure's default-coloured text, ticks, spines and legend frame on each
@@ -116,9 +126,16 @@ WARNING = "var(--jp-warn-color1, #e67700)"
 TEXT = "var(--jp-ui-font-color1, #333)"
 
 
-def message_html(text: str, *, error: bool = False) -> str:
-    """``text`` (escaped: it may quote model text) for an ipywidgets ``HTML``; "" for none."""
+def message_html(text: str, *, error: bool = False, details: str = "") -> str:
+    """``text`` (escaped: it may quote model text) for an ipywidgets ``HTML``; "" for none.
+    ``details`` (a traceback) goes under a collapsed "details" below it."""
     if not text:
         return ""
     colour = ERROR if error else TEXT
-    return f'<div style="color:{colour};white-space:pre-wrap">{html.escape(text)}</div>'
+    folded = (
+        f'<details class="ek-details"><summary>details</summary>'
+        f'<pre style="white-space:pre-wrap">{html.escape(details)}</pre></details>'
+        if details
+        else ""
+    )
+    return f'<div style="color:{colour};white-space:pre-wrap">{html.escape(text)}</div>{folded}'

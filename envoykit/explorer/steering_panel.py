@@ -114,7 +114,8 @@ class SteeringPanel(widgets.VBox):
         self.add_class("ek-steering")
         # Generate on a thread of its own: the notebook stays usable meanwhile.
         self.work = Background(
-            "envoykit-steer", lambda why: self.say(f"generation failed: {why}", error=True)
+            "envoykit-steer",
+            lambda why, details: self.say(f"generation failed: {why}", error=True, details=details),
         )
         self.button.on_click(lambda _: self.work.start(self.generate))
         self.say(HINT)
@@ -174,17 +175,19 @@ class SteeringPanel(widgets.VBox):
             self.vector = vector
         return vector
 
-    def say(self, text: str, *, error: bool = False) -> None:
+    def say(self, text: str, *, error: bool = False, details: str = "") -> None:
         """Show ``text`` in the header; an error also clears the results shown."""
         if error:
             self.plain = self.steered = self.comparison = None
             self.plain_view.value = self.steered_view.value = ""
             self.diff.data = {}
             self.diff_header.value = ""
-        self._head(text, error=error)
+        self._head(text, error=error, details=details)
 
-    def _head(self, text: str, *, error: bool = False) -> None:
-        self.header.value = f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error)}"
+    def _head(self, text: str, *, error: bool = False, details: str = "") -> None:
+        self.header.value = (
+            f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error, details=details)}"
+        )
 
 
 def _list_box(placeholder: str, prompts: Sequence[str]) -> widgets.Textarea:

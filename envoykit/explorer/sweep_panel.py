@@ -68,7 +68,8 @@ class SweepPanel(widgets.VBox):
         self.cancel_button.on_click(lambda _: self._cancel.set())
         self._cancel = threading.Event()
         self.work = Background(
-            "envoykit-sweep", lambda why: self.say(f"the sweep failed: {why}", error=True)
+            "envoykit-sweep",
+            lambda why, details: self.say(f"the sweep failed: {why}", error=True, details=details),
         )
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="layers", layout=widgets.Layout(width="320px")
@@ -164,11 +165,13 @@ class SweepPanel(widgets.VBox):
             + ("" if took is None else f"; took {duration(took)}")
         )
 
-    def say(self, text: str, *, error: bool = False) -> None:
+    def say(self, text: str, *, error: bool = False, details: str = "") -> None:
         """Show ``text`` in place of a map."""
         self.result, self.figure = None, None
         self.view.outputs = ()
-        self._head(text, error=error)
+        self._head(text, error=error, details=details)
 
-    def _head(self, text: str, *, error: bool = False) -> None:
-        self.header.value = f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error)}"
+    def _head(self, text: str, *, error: bool = False, details: str = "") -> None:
+        self.header.value = (
+            f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error, details=details)}"
+        )

@@ -65,7 +65,8 @@ class TrainingPanel(widgets.VBox):
         self.header = widgets.HTML()
         self.tuned: TunedLens | None = None
         self.work = Background(
-            "envoykit-train", lambda why: self.say(f"training failed: {why}", error=True)
+            "envoykit-train",
+            lambda why, details: self.say(f"training failed: {why}", error=True, details=details),
         )
         self.button.on_click(lambda _: self.start())
         row = [self.seconds, self.button, self.cancel_button, self.progress]
@@ -120,11 +121,13 @@ class TrainingPanel(widgets.VBox):
         self.say(describe(tuned, time.monotonic() - began), error=tuned.quality.better < 0.5)
         return tuned
 
-    def say(self, text: str, *, error: bool = False) -> None:
-        self._head(text, error=error)
+    def say(self, text: str, *, error: bool = False, details: str = "") -> None:
+        self._head(text, error=error, details=details)
 
-    def _head(self, text: str, *, error: bool = False) -> None:
-        self.header.value = f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error)}"
+    def _head(self, text: str, *, error: bool = False, details: str = "") -> None:
+        self.header.value = (
+            f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error, details=details)}"
+        )
 
 
 def describe(tuned: TunedLens, took: float) -> str:

@@ -1,4 +1,4 @@
-"""The anywidget views: `Heatmap`, `LayerPicker` and `AttentionView`.
+"""The anywidget views: `Heatmap`, `LayerPicker`, `AttentionView` and `FeatureChips`.
 
 Each is a Python class of synced traitlets plus one framework-free ES module in ``widgets/``;
 state crosses between kernel and browser only through these traitlets, so every interaction
@@ -161,3 +161,17 @@ class AttentionView(anywidget.AnyWidget):
     _css = asset("explorer.css")
     data = traitlets.Dict().tag(sync=True)
     selected = traitlets.List(default_value=None, allow_none=True).tag(sync=True)
+
+
+class FeatureChips(anywidget.AnyWidget):
+    """A prompt's tokens, each with its most active SAE features as chips shaded by
+    activation (``data``: `chips_data`).
+
+    A click on a chip sets ``selected`` to its feature id, and every chip of that feature is
+    marked; whoever owns the view answers with what it shows of the feature.
+    """
+
+    _esm = module("features.js")
+    _css = asset("explorer.css")
+    data = traitlets.Dict().tag(sync=True)
+    selected = traitlets.Int(default_value=None, allow_none=True).tag(sync=True)

@@ -16,17 +16,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from envoykit.explorer.outputs import failure
+
 
 class Background:
     """One piece of work at a time, on a daemon thread named ``name``."""
 
-    def __init__(self, name: str, on_error: Callable[[str], None]) -> None:
+    def __init__(self, name: str, on_error: Callable[[str, str], None]) -> None:
+        """``on_error(line, details)`` says an error the work did not catch: its line and
+        its traceback (`envoykit.explorer.outputs.failure`)."""
         self._name, self._on_error = name, on_error
         self._thread: threading.Thread | None = None
 
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The thread of the work started last (the engine's `cancel` names it)."""
+        return self._thread
 
     def start(self, work: Callable[[], Any]) -> bool:
         """Run ``work`` on the thread; False (and nothing started) while the last runs."""
@@ -37,7 +46,7 @@ class Background:
             try:
                 work()
             except Exception as err:  # a thread's error reaches no cell: say it
-                self._on_error(f"{type(err).__name__}: {err}")
+                self._on_error(*failure(err))
 
         self._thread = threading.Thread(target=run, name=self._name, daemon=True)
         self._thread.start()

@@ -3,8 +3,8 @@
 ``heatmap`` shows layers x positions with the top-1 token written in each cell; the colour is
 the top-1 probability, the entropy, the KL to the final layer, or a target's probability.
 ``trajectory`` follows target tokens across layers at one position; ``attention``,
-``attribution``, ``head_attribution``, ``sweep``, ``compare``, ``steering``, ``lens_quality`` and
-``lens_corpus`` draw the other results.
+``attribution``, ``head_attribution``, ``sweep``, ``compare``, ``steering``, ``lens_quality``,
+``lens_corpus``, ``features`` and ``feature`` (SAE features) draw the other results.
 """
 
 import warnings
@@ -13,6 +13,7 @@ from envoykit.plot.attention import attention
 from envoykit.plot.attribution import attribution, head_attribution
 from envoykit.plot.compare import compare
 from envoykit.plot.corpus import lens_corpus
+from envoykit.plot.features import feature, features
 from envoykit.plot.lens import heatmap, trajectory
 from envoykit.plot.steering import steering
 from envoykit.plot.sweep import sweep
@@ -27,6 +28,8 @@ __all__ = [
     "attention",
     "attribution",
     "compare",
+    "feature",
+    "features",
     "head_attribution",
     "heatmap",
     "lens_corpus",

@@ -18,6 +18,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _set_torch_accelerat
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from envoykit.model.envoys import InstallFragments
+from envoykit.ranks.sae import SAEStore
 from envoykit.ranks.translators import TranslatorStore
 
 WORKER_CLS = "envoykit.ranks.cpu.NNsightCPUWorker"
@@ -27,7 +28,7 @@ class NNsightCPUModelRunner(InstallFragments, NNsightGPUModelRunner, CPUModelRun
     """vLLM's CPU runner with nnsight's interleaving and envoykit's fragment rules."""
 
 
-class NNsightCPUWorker(TranslatorStore, CPUWorker):
+class NNsightCPUWorker(TranslatorStore, SAEStore, CPUWorker):
     """vLLM's CPU worker building `NNsightCPUModelRunner` and serving nnsight's RPCs (and
     envoykit's, which installs tuned-lens translators)."""
 

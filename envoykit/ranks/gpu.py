@@ -8,6 +8,7 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
 from envoykit.model.envoys import InstallFragments
+from envoykit.ranks.sae import SAEStore
 from envoykit.ranks.translators import TranslatorStore
 
 WORKER_CLS = "envoykit.ranks.gpu.EnvoykitGPUWorker"
@@ -17,7 +18,7 @@ class EnvoykitGPUModelRunner(InstallFragments, NNsightGPUModelRunner):
     """nnsight's GPU runner whose envoy tree uses envoykit's fragment rules."""
 
 
-class EnvoykitGPUWorker(TranslatorStore, NNsightGPUWorker):
+class EnvoykitGPUWorker(TranslatorStore, SAEStore, NNsightGPUWorker):
     """nnsight's GPU worker, with the runner class that installs envoykit's fragment rules
     (and envoykit's RPC that installs tuned-lens translators)."""
 

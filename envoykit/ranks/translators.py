@@ -17,17 +17,20 @@ from safetensors.torch import load as load_tensors
 INSTALLED: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
-def unpack(blob: bytes) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def unpack(
+    blob: bytes, device: torch.device | str = "cpu"
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Translators from the safetensors bytes `envoykit.analyses.tuned.TunedLens.to_bytes`
-    writes."""
-    tensors = load_tensors(blob)
+    writes, on ``device`` (the rank's: moved once, at install, not at every translation)."""
+    tensors = {name: tensor.to(device) for name, tensor in load_tensors(blob).items()}
     layers = sorted({int(name.split(".")[1]) for name in tensors})
     return {layer: (tensors[f"A.{layer}"], tensors[f"b.{layer}"]) for layer in layers}
 
 
 def translate(key: str, layer: int, stream: torch.Tensor) -> torch.Tensor:
     """Inside a trace on a rank: ``stream + stream @ A.T + b`` with layer ``layer``'s
-    installed translator (float32, then back to the stream's dtype)."""
+    installed translator (float32, then back to the stream's dtype). The translator is on
+    the rank's device already (`unpack`); ``.to`` is then no copy."""
     weight, bias = INSTALLED[key][layer]
     x = stream.float()
     return (x + x @ weight.to(x.device).T + bias.to(x.device)).to(stream.dtype)
@@ -62,5 +65,5 @@ class TranslatorStore:
         for other in [k for k in INSTALLED if k != key and k not in keep]:
             del INSTALLED[other]
         if key not in INSTALLED:
-            INSTALLED[key] = unpack(blob)
+            INSTALLED[key] = unpack(blob, getattr(self, "device", "cpu"))
         return len(INSTALLED[key])

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import psutil
 
     from envoykit.runtime.janitor import Janitor
+    from envoykit.runtime.rank_watch import RankWatch
 
 # Python's SharedMemory names its segments so (multiprocessing.shared_memory); only those are
 # registered with a resource tracker.
@@ -70,7 +71,13 @@ def engine_semaphores(processes: set[psutil.Process]) -> set[str]:
         }
 
 
-def shutdown(llm: Any, processes: set[psutil.Process], janitor: Janitor, scratch: str) -> None:
+def shutdown(
+    llm: Any,
+    processes: set[psutil.Process],
+    janitor: Janitor,
+    scratch: str,
+    rank_watch: RankWatch | None = None,
+) -> None:
     """Shut the engine core down, then make sure every process and segment it made is gone.
 
     vLLM's shutdown asks the engine core to stop its ranks and unlink their shared memory,
@@ -81,8 +88,11 @@ def shutdown(llm: Any, processes: set[psutil.Process], janitor: Janitor, scratch
     left. Those segments are the ones mapped now and the ones mapped at start (the janitor
     holds that list): a rank that died before ``close()`` is no longer there to ask. The
     janitor, which would do the same had this process been killed, is told the engine is
-    closed and exits.
+    closed and exits. The ``rank_watch`` (`envoykit.runtime.rank_watch`) stops first: ranks
+    leaving one after the other are a close, not a death.
     """
+    if rank_watch is not None:
+        rank_watch.stop()
     at_start = {os.path.basename(p) for p in janitor.paths if os.path.dirname(p) == SHM}
     segments = at_start | mapped_segments(processes) | engine_semaphores(processes)
     entry = getattr(llm, "vllm_entrypoint", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging.config
 import os
+import re
 import time
 from pathlib import Path
 
@@ -83,3 +84,29 @@ def apply_engine_config() -> None:
     path = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
     if path:
         logging.config.dictConfig(json.loads(Path(path).read_text()))
+
+
+# The last line of a Python traceback: the exception's name and message.
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)\b(?::.*)?$")
+# vLLM's lines that wrap a process's failure and point at the traceback above them.
+_WRAPPERS = ("See stack trace for root cause", "See root cause above", "initialization failed")
+
+
+def root_cause(log_file: Path | str | None) -> str | None:
+    """The first exception a traceback in ``log_file`` ends with, skipping vLLM's wrappers
+    ("WorkerProc initialization failed ... See stack trace for root cause"): the line that
+    says why an engine did not start, e.g. ``KeyError: 'layers.1.mlp.gate.weight'``.
+    None when the log has no traceback (or no log)."""
+    try:
+        lines = Path(log_file).read_text(errors="replace").splitlines() if log_file else []
+    except OSError:
+        return None
+    in_traceback = False
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and not line.startswith((" ", "\t")):
+            in_traceback = False
+            if _EXCEPTION_LINE.match(line) and not any(w in line for w in _WRAPPERS):
+                return line.strip()
+    return None

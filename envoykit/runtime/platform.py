@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 from envoykit.errors import InvalidRequest
 from envoykit.runtime import lifeline
@@ -97,6 +98,52 @@ def rank_environment(platform: str, tp: int) -> dict[str, str]:
         "MALLOC_MMAP_MAX_": "0",
         "MALLOC_TRIM_THRESHOLD_": str(2**62),
     }
+
+
+# The KV cache a CPU engine gets unless the user gives kv_cache_memory_bytes.
+CPU_KV_CACHE_BYTES = 256 * 2**20
+
+
+def engine_defaults(platform: str, config: dict) -> dict[str, Any]:
+    """vLLM arguments this platform needs for this checkpoint, before the user's own.
+
+    The KV cache on CPU: a fixed size, enough for a few prompts of the context's length on
+    the built-in models (vLLM's CPU default takes a share of the machine's memory per rank).
+
+    Multi-head latent attention on CPU: where the cores have AMX tiles vLLM picks its AMX MLA
+    backend, which runs only bfloat16 and packs ``kv_b_proj`` with a kernel that has no meta
+    implementation, so the model cannot be built on the meta device the client's envoys need
+    (and float32, the CPU default, is not supported there). vLLM's reference CPU MLA backend
+    runs every dtype and the same numerics with or without AMX.
+    """
+    if platform != "cpu":  # on a GPU vLLM sizes its KV cache by gpu_memory_utilization
+        return {}
+    defaults: dict[str, Any] = {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+    if config.get("kv_lora_rank"):
+        defaults["attention_backend"] = "CPU_MLA"
+    return defaults
+
+
+def refuse_known_wrong(platform: str, config: dict) -> None:
+    """Refuse a checkpoint this platform is known to run wrongly, saying why.
+
+    Multi-head latent attention with plain RoPE on CPU: vLLM's C++ rotary kernel rotates
+    MLA's ``[tokens, heads, rope_dim]`` query view wrongly, so every output after the first
+    token differs from transformers (top-1 agreement 8-17% measured on a DeepSeek-V2
+    checkpoint). With YaRN scaling, as DeepSeek's released checkpoints use, vLLM rotates in
+    PyTorch and the outputs are exact.
+    """
+    if platform != "cpu" or not config.get("kv_lora_rank"):
+        return
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "yarn":
+        raise InvalidRequest(
+            f"this checkpoint uses multi-head latent attention with {kind!r} RoPE, which "
+            "vLLM's CPU backend computes wrongly (its rotary kernel misreads MLA's query "
+            "layout: outputs differ from the second token on); MLA runs exactly on CPU with "
+            "YaRN rope scaling, or on a GPU"
+        )
 
 
 def core_binding(cpus: list[int], tp: int) -> str:

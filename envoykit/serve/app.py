@@ -21,6 +21,12 @@ collects the saves; `install` extends that app in place rather than writing anot
   against the served model's own fingerprint), else sent to every rank once per key
   (`envoykit.serve.server.ServedEngine.install_translator`). A refusal says
   ``"invalid_request": true``; the client raises it as `InvalidRequest`.
+* ``GET /v1/envoykit/saes/{key}``: whether the ranks hold an SAE (each its slice of the
+  features); ``POST`` the same path with the SAE as safetensors bytes (`SAE.to_bytes`: data,
+  no pickle) installs it: refused with 400 when the body is not an SAE or its key is not
+  ``key``, with 422 when it does not fit the served model (`SAE.check_engine`), else sent to
+  every rank once while they keep it (`envoykit.serve.server.ServedEngine.install_sae`).
+  ``GET /v1/envoykit/saes/{key}/bytes``: what each rank holds of it (`Engine.sae_bytes`).
 * ``POST /v1/envoykit/cancel/{key}``: the cancel flag of the lens with that key, which its
   ranks look for between two chunks of work (`envoykit.ranks.cancel`); a client's
   ``engine.cancel()`` sends it.
@@ -212,6 +218,18 @@ def install(app: Any, token: str, state: ServerState) -> None:
     async def install_translator(key: str, request: Request) -> Any:
         return await install_translators(key, await request.body(), state)
 
+    @app.get("/v1/envoykit/saes/{key}")
+    async def sae(key: str) -> dict:
+        return {"key": key, "installed": await state.engine.has_sae(key)}
+
+    @app.post("/v1/envoykit/saes/{key}")
+    async def post_sae(key: str, request: Request) -> Any:
+        return await install_sae(key, await request.body(), state)
+
+    @app.get("/v1/envoykit/saes/{key}/bytes")
+    async def sae_bytes(key: str) -> dict:
+        return {"key": key, "bytes": state.engine.sae_bytes(key)}
+
     @app.post("/v1/envoykit/cancel/{key}")
     async def cancel(key: str) -> Any:
         return raise_cancel_flag(key, state)
@@ -246,6 +264,34 @@ async def install_translators(key: str, body: bytes, state: ServerState) -> Any:
         detail = "the engine's processes died while installing translators"
         return JSONResponse(status_code=503, content={"detail": detail, "engine_dead": True})
     logger.info("tuned-lens translators %s installed on the ranks", key)
+    return {"key": key}
+
+
+async def install_sae(key: str, body: bytes, state: ServerState) -> Any:
+    """Install the SAE in ``body`` on the ranks unless they hold ``key`` already;
+    ``{"key": key}``, or a refusal (400: not an SAE, or not the SAE of ``key``; 422: an SAE
+    that does not fit the served model) the client raises as `InvalidRequest`. The key is
+    the hash of what the ranks install, checked here: a client cannot put one SAE's
+    features under another's key."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from envoykit.analyses.sae import SAE
+    from envoykit.errors import InvalidRequest
+
+    try:
+        sae = SAE.from_bytes(body)
+    except InvalidRequest as error:
+        return _refused(400, str(error))
+    if sae.key != key:
+        return _refused(400, f"the SAE sent is that of key {sae.key}, not {key}")
+    try:
+        await state.engine.install_sae(sae)
+    except InvalidRequest as error:
+        return _refused(422, str(error))
+    except EngineDeadError:
+        detail = "the engine's processes died while installing an SAE"
+        return JSONResponse(status_code=503, content={"detail": detail, "engine_dead": True})
+    logger.info("SAE %s installed on the ranks", key)
     return {"key": key}
 
 

@@ -11,7 +11,8 @@ on the server's ranks, and its saved values come back into the caller's variable
 The tree is built from the served checkpoint's own config and tokenizer files; when this
 machine does not have them at the server's path, the server sends them (no weights). A tuned
 lens's translators go to the server once (`Connection._install_translator`), which checks and
-installs them on its ranks; lenses then name them by key, as in process. Errors
+installs them on its ranks; lenses then name them by key, as in process. An SAE goes the
+same way (`Connection._install_sae`), once while the server's ranks keep it. Errors
 come back as what they would be in-process: `ShardedValue`, `InvalidRequest`, an exception
 in trace code, and `EngineDead` when the server's engine dies; a server that cannot be
 reached, or that refuses the token, is a `ServerUnavailable` within the connect timeout.
@@ -26,10 +27,9 @@ import io
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 
@@ -41,6 +41,7 @@ from envoykit.runtime import logs, models, platform
 from envoykit.serve import tokens
 
 if TYPE_CHECKING:
+    from envoykit.analyses.sae import SAE
     from envoykit.analyses.tuned import TunedLens
 
 SERVER_ENV = "ENVOYKIT_SERVER"
@@ -153,6 +154,33 @@ class Connection(EngineSurface):
                 headers={"Content-Type": "application/octet-stream"},
             )
         return translator.key
+
+    def _install_sae(self, sae: SAE) -> str:
+        """Have the server install ``sae`` on its ranks (`Engine._install_sae` there, each
+        rank keeping its slice): asked for by key first, sent (`SAE.to_bytes`) only when the
+        ranks lack it, and checked by the server against the served model; its key."""
+        path = f"/v1/envoykit/saes/{sae.key}"
+        if not self._get(path)["installed"]:
+            self._request(
+                "POST",
+                path,
+                content=sae.to_bytes(),
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        return sae.key
+
+    def sae_bytes(self, sae: SAE) -> list[int]:
+        """The bytes of ``sae`` each of the server's ranks holds (its slice of the
+        features), installing it."""
+        for _ in range(2):  # another client's SAEs may drop it between the install and the ask
+            self._require_sae(sae)
+            held = self._get(f"/v1/envoykit/saes/{sae.key}/bytes")["bytes"]
+            if held is not None:
+                return held
+        raise ServerUnavailable(
+            f"the server's ranks dropped SAE {sae.key} for other clients' SAEs as soon as it "
+            "was installed: ask again"
+        )
 
     def _raise_cancel_flag(self, key: str) -> None:
         # The server puts the flag where its ranks look, and takes it down after a while.
@@ -298,23 +326,49 @@ def _client_log() -> tuple[Path, dict[str, str]]:
     return logs.configure(models.cache_dir() / "logs", "ERROR")
 
 
+# The threads building a structure-only model now (`_no_accelerator_calls`).
+_BUILDERS: set[int] = set()
+
+
 @contextlib.contextmanager
 def _no_accelerator_calls() -> Iterator[None]:
     """vLLM's loader empties the accelerator's cache while it builds a model, and torch
     raises where there is no accelerator; the structure-only build makes nothing worth a cache,
-    so while it runs both calls are no-ops. Scoped, unlike the engine's own preparation
-    (`envoykit.ranks.cpu.prepare_client`), whose module also brings the CPU worker and model runner:
-    several seconds of imports a client never uses."""
+    so on the building thread both calls are no-ops. Every other thread keeps torch's own
+    calls (`_skip_on_builders`). Unlike the engine's own preparation
+    (`envoykit.ranks.cpu.prepare_client`), whose module also brings the CPU worker and model
+    runner: several seconds of imports a client never uses."""
     import torch
 
     if torch.accelerator.is_available():
         yield
         return
-    with (
-        mock.patch.object(torch.accelerator, "empty_cache", lambda *a, **k: None),
-        mock.patch.object(torch.accelerator, "synchronize", lambda *a, **k: None),
-    ):
+    _skip_on_builders()
+    thread = threading.get_ident()
+    _BUILDERS.add(thread)
+    try:
         yield
+    finally:
+        _BUILDERS.discard(thread)
+
+
+@functools.cache
+def _skip_on_builders() -> None:
+    """Wrap ``torch.accelerator.empty_cache`` and ``synchronize`` once, so they do nothing
+    on a thread in `_BUILDERS` and what torch does on any other."""
+    import torch
+
+    def skipped(call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() in _BUILDERS:
+                return None
+            return call(*args, **kwargs)
+
+        return wrapper
+
+    torch.accelerator.empty_cache = skipped(torch.accelerator.empty_cache)
+    torch.accelerator.synchronize = skipped(torch.accelerator.synchronize)
 
 
 def _completion(model: Any, prompt: str, max_tokens: int) -> Any:

@@ -50,6 +50,7 @@ _SHUTDOWN_GRACE_SECONDS = 5
 _MIN_TOKEN_LENGTH = 16
 
 if TYPE_CHECKING:
+    from envoykit.analyses.sae import SAE
     from envoykit.analyses.tuned import TunedLens
 
 logger = logging.getLogger("envoykit.serve.server")
@@ -88,6 +89,38 @@ class ServedEngine(EngineLifetime):
                 )
                 self._translators.installed(translator.key, keep)
         return translator.key
+
+    async def has_sae(self, key: str) -> bool:
+        """Whether the ranks hold the SAE of this key (a restart forgets them), marking it as
+        just used, as `Engine._install_sae` does for an SAE it holds: a request reads up to
+        `InstalledSAEs.LIMIT` SAEs, and a client asks for each before sending any, so an
+        SAE it was told is held must not be the one the next install drops. Asked under the
+        install lock: an install under way may be dropping it."""
+        async with self._installing:
+            return key in self._saes and self._saes.keep_for(key) is None
+
+    def sae_bytes(self, key: str) -> list[int] | None:
+        """The bytes each rank holds of the SAE ``key`` (its slice of the features), as the
+        ranks reported them when it was installed; None unless they hold it."""
+        return self._sae_bytes.get(key) if key in self._saes else None
+
+    async def install_sae(self, sae: SAE) -> str:
+        """`Engine._install_sae` on the event loop: ``sae`` checked against this model
+        (`SAE.check_engine`), sent to every rank through the same worker RPC, once while the
+        ranks keep it (`InstalledSAEs`); its key. Checked even when the ranks hold its key:
+        the key is the hash of what they hold (the weights), not of where the SAE reads or
+        which model it names."""
+        sae.check_engine(self.info)
+        async with self._installing:
+            keep = self._saes.keep_for(sae.key)
+            if keep is not None:
+                config, blob = sae.to_wire()
+                held = await self.model.vllm_entrypoint.collective_rpc(
+                    "envoykit_install_sae", args=(sae.key, config, blob, keep)
+                )
+                self._saes.installed(sae.key, keep)
+                self._remember_sae_bytes(sae.key, keep, held)
+        return sae.key
 
     async def fingerprint(self) -> dict:
         """`envoykit.analyses.tuned.fingerprint` of the served model, from one trace on the async

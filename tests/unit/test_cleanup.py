@@ -10,6 +10,7 @@ import time
 import psutil
 
 from envoykit.runtime import cleanup
+from envoykit.runtime.janitor import Janitor
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -23,22 +24,33 @@ def hold(lock, made, ready) -> None:
     time.sleep(60)
 
 
-def test_a_semaphore_a_killed_child_made_is_removed_and_the_parents_is_kept():
+def test_close_removes_what_a_killed_child_made_and_keeps_the_parents(tmp_path):
+    """What ``close()`` runs once an engine's process was force-killed (`cleanup.shutdown`,
+    its finalizer): the semaphore the child made is found while it lives, and unlinked after
+    it died without finalizing it; the parent's own semaphore is kept and still works, the
+    engine's scratch directory is removed, and the janitor exits."""
     parents = SPAWN.Lock()
     receive, send = SPAWN.Pipe(duplex=False)
     child = SPAWN.Process(target=hold, args=(parents, SPAWN.Lock, send))
     child.start()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    janitor = Janitor([str(scratch)], existing=[])
     try:
         childs = receive.recv()  # "/mp-…", as multiprocessing names it
-        found = cleanup.engine_semaphores({psutil.Process(child.pid)})
+        process = psutil.Process(child.pid)
+        found = cleanup.engine_semaphores({process})
         assert found == {f"sem.{childs[1:]}"}
         assert f"sem.{parents._semlock.name[1:]}" not in found
+        # as the engine hands them to its janitor once started
+        janitor.watch([child.pid], [f"/dev/shm/{name}" for name in found])
     finally:
         child.kill()  # as a force-killed engine core: its finalizers never run
         child.join()
-    for name in found:
-        assert os.path.exists(f"/dev/shm/{name}")
-        cleanup.unlink_segment(name)  # also unregisters it from the shared tracker
-        assert not os.path.exists(f"/dev/shm/{name}")
+    assert all(os.path.exists(f"/dev/shm/{name}") for name in found)
+    cleanup.shutdown(None, {process}, janitor, str(scratch))
+    assert not [name for name in found if os.path.exists(f"/dev/shm/{name}")]
+    assert not scratch.exists()
+    assert not psutil.pid_exists(janitor.pid)  # exited, and reaped
     with parents:  # still usable: not unlinked
         pass

@@ -203,3 +203,42 @@ def test_a_container_bound_above_the_invokes_is_merged():
     mediators = [SimpleNamespace(presaved={"rows"}, lcls={}) for _ in range(2)]
     entries = [entry({"rows": ["a", None]}), entry({"rows": [None, "b"]})]
     assert merged_saves(mediators, entries) == {"rows": ["a", "b"]}
+
+
+# Run in a fresh interpreter: an engine's client (vLLM's CPU set-up) turns these calls into
+# no-ops for the whole process, which would hide what a connection alone does.
+_ACCELERATOR_CHECK = """
+import threading
+import torch
+from envoykit.serve.client import _no_accelerator_calls
+
+def outcome(call):
+    try:
+        call()
+        return "none"
+    except RuntimeError:
+        return "raises"
+
+elsewhere = []
+with _no_accelerator_calls():
+    here = [outcome(torch.accelerator.empty_cache), outcome(torch.accelerator.synchronize)]
+    sync = torch.accelerator.synchronize
+    thread = threading.Thread(target=lambda: elsewhere.append(outcome(sync)))
+    thread.start()
+    thread.join()
+print(here, elsewhere, outcome(torch.accelerator.empty_cache))
+"""
+
+
+@pytest.mark.skipif(
+    __import__("torch").accelerator.is_available(), reason="the shim is for hosts without one"
+)
+def test_a_client_build_skips_accelerator_calls_on_its_own_thread_only():
+    """While a connection builds its structure-only model, vLLM's loader may empty the
+    accelerator's cache on that thread and nothing happens; any other thread meanwhile, and
+    the building thread afterwards, get torch's own answer (here: its error, as there is no
+    accelerator)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _ACCELERATOR_CHECK], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split("\n")[-2] == "['none', 'none'] ['raises'] raises", out.stdout

@@ -1,0 +1,33 @@
+"""The vLLM arguments a platform adds for a checkpoint (the matrix's MLA engines need them)."""
+
+import pytest
+
+from envoykit.errors import InvalidRequest
+from envoykit.runtime import platform
+
+
+def test_mla_on_cpu_asks_for_the_reference_backend_that_runs_every_dtype():
+    mla = {"model_type": "deepseek_v2", "kv_lora_rank": 512}
+    assert platform.engine_defaults("cpu", mla)["attention_backend"] == "CPU_MLA"
+
+
+def test_a_gpu_gets_vllm_own_defaults_and_cpu_a_fixed_kv_cache():
+    """On CUDA, vLLM's gpu_memory_utilization sizes the KV cache: a fixed CPU-sized cache
+    would starve a real model."""
+    kv = {"kv_cache_memory_bytes": platform.CPU_KV_CACHE_BYTES}
+    assert platform.engine_defaults("cpu", {"model_type": "llama"}) == kv
+    assert platform.engine_defaults("cpu", {"kv_lora_rank": None}) == kv
+    assert platform.engine_defaults("cuda", {"kv_lora_rank": 512}) == {}
+
+
+def test_mla_with_plain_rope_on_cpu_is_refused_with_the_reason():
+    plain = {"model_type": "deepseek_v2", "kv_lora_rank": 512, "rope_scaling": None}
+    with pytest.raises(InvalidRequest, match="'default' RoPE, which vLLM's CPU backend"):
+        platform.refuse_known_wrong("cpu", plain)
+    linear = {**plain, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    with pytest.raises(InvalidRequest, match="'linear' RoPE"):
+        platform.refuse_known_wrong("cpu", linear)
+    for yarn in ({"rope_parameters": {"rope_type": "yarn"}}, {"rope_scaling": {"type": "yarn"}}):
+        platform.refuse_known_wrong("cpu", {**plain, **yarn})
+    platform.refuse_known_wrong("cuda", plain)
+    platform.refuse_known_wrong("cpu", {"model_type": "llama", "rope_scaling": None})

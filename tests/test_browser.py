@@ -16,8 +16,10 @@ dark theme. Screenshots land in ``artifacts/`` (git-ignored).
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -333,6 +335,7 @@ def test_exports_of_a_patched_and_a_tuned_run_say_so_in_chromium(browser, tiny2,
     explorer.picker.rows = [(0, "resid"), (2, "resid"), (4, "resid")]
     explorer.run()
     explorer.heatmap.set_state({"drop": {"source": [1, 3], "target": [1, 3]}})
+    assert explorer.wait(60)
     assert explorer.result.meta.get("patches")
     exports = [(explorer.export(tmp_path / "patched.html"), "logit lens, patched (layer 2 resid)")]
     explorer.compare.value = False
@@ -340,6 +343,7 @@ def test_exports_of_a_patched_and_a_tuned_run_say_so_in_chromium(browser, tiny2,
     explorer.lens_kind.value = "tuned"
     explorer.run()
     explorer.heatmap.selected = [2, 6]  # a cell: its trajectory and attribution are panels
+    assert explorer.wait(60)
     exports.append((explorer.export(tmp_path / "tuned.html"), "tuned lens"))
     ARTIFACTS.mkdir(exist_ok=True)
     for path, run in exports:
@@ -1079,11 +1083,20 @@ def shows(page: Any, text: str) -> None:
     wait_for(found.is_visible, 30, f"{text!r} on screen")
 
 
+# What the explorer says of a cancelled Run, by where the Cancel landed.
+CANCELLED_RUN = (
+    "cancelled: the lens was stopped on the ranks",
+    "cancelled before the second prompt's lens",
+    "cancelled: the second prompt's lens was stopped on the ranks",
+)
+
+
 def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_button: Any) -> None:
     """A Run of a long prompt, cancelled the moment Cancel can be pressed: the lens stops on
     the ranks, the explorer says "cancelled" with no traceback, dims the heatmap it leaves,
     and gives Run back; the next Run draws. Whether the lens (under a second on ``tiny``)
-    ends before the Cancel lands is not in the test's hands, so that case tries again."""
+    ends before the Cancel lands is not in the test's hands, so that case tries again; with
+    two prompts, the Cancel may land during either prompt's lens or between them."""
     prompt_box.fill("The capital of France is " * 32)
     for _ in range(3):
         # Resolved once Cancel is pressed: Run is disabled by then (the kernel disables it
@@ -1095,7 +1108,9 @@ def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_butt
             break
     else:
         raise AssertionError("three Runs ended before their Cancel landed")
-    shows(page, "cancelled: the lens was stopped on the ranks")
+    said = html.unescape(re.sub("<[^>]+>", "", state()["message"]))
+    assert said in CANCELLED_RUN, said
+    shows(page, said)
     assert page.locator(".ek-main-heatmap.ek-stale").count() == 1
     assert "Traceback" not in page.locator(".ek-explorer").inner_text()
     assert page.locator(".ek-run-cancel").is_disabled()

@@ -504,6 +504,7 @@ def test_clicking_a_cell_attributes_its_position(explorer, tiny2):
     paris = int(res.target_ids[0])
 
     explorer.heatmap.set_state({"selected": [len(res.layers) - 1, 2]})
+    assert explorer.wait(60)
     att = explorer.attribution
     assert (att.positions.tolist(), att.target_ids.tolist()) == ([2], [paris])
     assert att.tokens == (res.tokens[2],)
@@ -520,11 +521,13 @@ def test_clicking_a_cell_attributes_its_position(explorer, tiny2):
     # Pinning a token attributes it (the token pinned last), at the selection kept.
     new_id = next(int(i) for i in res.top_ids[-1, 2] if i != paris)
     explorer.heatmap.set_state({"pinned": [new_id]})
+    assert explorer.wait(60)
     assert explorer.attribution.target_ids.tolist() == [new_id]
     assert explorer.attribution.positions.tolist() == [2]
 
     # No target: the panel says what to do and holds no attribution.
     explorer.heatmap.pinned = []
+    assert explorer.wait(60)
     explorer.targets.value = ""
     explorer.run()
     explorer.heatmap.set_state({"selected": [0, 1]})
@@ -539,6 +542,7 @@ def test_clicking_a_cell_opens_the_attention_at_its_layer_and_position(explorer,
     res = explorer.run()
     n = tiny2.info.n_layers
     explorer.heatmap.set_state({"selected": [len(res.layers) - 1, 3]})
+    assert explorer.wait(60)
     assert panel.query == 3 and panel.selected[0] == n
     data = panel.view.data
     expected = tiny2.attention(PROMPT, queries=[3])
@@ -559,6 +563,7 @@ def test_clicking_a_cell_opens_the_attention_at_its_layer_and_position(explorer,
     )
     # A click on another head (what the browser sends) draws that head's whole pattern.
     panel.view.set_state({"selected": [1, 2]})
+    assert panel.wait(60)
     first = tiny2.attention(PROMPT, layers=[1], heads=[2])
     np.testing.assert_allclose(
         panel.view.data["pattern"]["weights"], first.weights[0, 0], atol=1e-6
@@ -586,6 +591,7 @@ def test_select_and_pin_update_the_trajectory(explorer):
 
     new_id = next(int(i) for i in res.top_ids[-1, 0] if i not in res.target_ids)
     explorer.heatmap.set_state({"pinned": [new_id]})
+    assert explorer.wait(60)
     assert new_id in explorer.result.target_ids.tolist()
     assert explorer.result is not res  # re-run with the pinned token as a target
     assert explorer.trajectory_targets == [" Paris", str(new_id)]
@@ -674,12 +680,14 @@ def test_pins_are_chips_that_unpin_and_say_what_is_measured(explorer, tiny2):
     res = explorer.run()
     token = int(res.top_ids[-1, -1, 1])
     explorer.heatmap.pinned = [token]
+    assert explorer.wait(60)
     assert token in explorer.result.target_ids.tolist()
     chips = [w for w in explorer.pins.children if isinstance(w, widgets.Button)]
     text = tiny2.tokenizer.decode([token])
     assert [c.description for c in chips] == [f"{text!r} ×"]
     assert f"measure {text!r} (pinned last)" in html.unescape(explorer.pins.children[-1].value)
     chips[0].click()
+    assert explorer.wait(60)
     assert explorer.heatmap.pinned == []
     assert token not in explorer.result.target_ids.tolist()  # the lens ran without it
     assert "(the first target)" in html.unescape(explorer.pins.children[-1].value)
@@ -814,6 +822,7 @@ def test_a_drop_draws_the_patched_lens_and_its_diff(comparing, tiny2):
     # Row "2" of the second prompt at ' I' (position 3), dropped on the first heatmap's top
     # row at position 3: the patch is layer 2's stream, whatever row it was dropped on.
     comparing.heatmap.set_state({"drop": {"source": [2, 3], "target": [3, 3]}})
+    assert comparing.wait(60)
     assert comparing.heatmap.drop is None  # handled, ready for the next drop
     patch = ek.Patch(OTHER, 2, source_position=3, target_position=3, site="resid")
     assert comparing.patch == patch
@@ -847,6 +856,7 @@ def test_a_drop_draws_the_patched_lens_and_its_diff(comparing, tiny2):
 
     # A sub-layer row: the patch copies that block's write.
     comparing.heatmap.set_state({"drop": {"source": [1, 3], "target": [0, 4]}})
+    assert comparing.wait(60)
     assert comparing.patch == ek.Patch(OTHER, 2, source_position=3, target_position=4, site="attn")
 
     # Run goes back to the unpatched lens and the diff of the two prompts.
@@ -894,9 +904,11 @@ def test_click_to_patch_equals_the_drop(comparing):
     panel.source.selected = [2, 3]
     assert not panel.patch_button.disabled
     panel.patch_button.click()  # no column picked in the first heatmap: the same position
+    assert comparing.wait(60)
     assert comparing.patch == ek.Patch(OTHER, 2, source_position=3, target_position=3)
     comparing.heatmap.selected = [0, 5]
     panel.patch_button.click()
+    assert comparing.wait(60)
     assert comparing.patch == ek.Patch(OTHER, 2, source_position=3, target_position=5)
 
 
@@ -904,6 +916,7 @@ def test_click_to_patch_equals_the_drop(comparing):
 def test_the_export_of_a_patched_run_says_so_and_carries_every_panel(comparing, tmp_path):
     comparing.run()
     comparing.heatmap.set_state({"drop": {"source": [2, 3], "target": [3, 3]}})
+    assert comparing.wait(60)
     assert "logit lens, patched (layer 2 resid)" in comparing.status.value
     page = comparing.export(tmp_path / "patched.html").read_text()
     assert "<h3>Logit lens, patched (layer 2 resid) of" in page
@@ -983,6 +996,61 @@ def test_cancel_stops_the_explorers_lens_not_a_cells(explorer, tiny2):
 
 
 @pytest.mark.engine
+def test_a_pin_during_a_run_draws_that_runs_lens_with_the_pin(explorer, tiny2):
+    """A token pinned while a Run's lens is in flight does not run a lens of its own beside
+    it (nor on the kernel's thread): once the Run is drawn, the lens runs again on the Run's
+    request with the pin added, and that is what is shown."""
+    first = explorer.run()
+    token = next(int(i) for i in first.top_ids[-1, -1] if i not in first.target_ids)
+    explorer.prompt.value = OTHER
+    explorer.run_button.click()
+    assert explorer.work.busy  # the Run is on its thread when the pin arrives
+    explorer.heatmap.pinned = [token]
+    assert explorer.wait(120)
+    shown = explorer.result
+    assert shown.prompt == OTHER and shown.target_ids.tolist() == [int(first.target_ids[0]), token]
+    layers, sites = rows.lens_arguments(explorer.picker.rows)
+    alone = tiny2.lens(OTHER, layers=layers, sites=sites, top_k=5, targets=[" Paris", token])
+    alone = rows.keep(alone, explorer.picker.rows)
+    np.testing.assert_array_equal(shown.top_ids, alone.top_ids)
+    np.testing.assert_allclose(shown.target(token).prob, alone.target(token).prob, atol=1e-6)
+    assert explorer.message.value == "" and not explorer.run_button.disabled
+
+
+@pytest.mark.engine
+def test_quick_cell_clicks_draw_the_last_and_skip_those_between(explorer, tiny2, monkeypatch):
+    """Cell clicks ask the engine on the cells' thread, never the kernel's: clicks made while
+    one attribution runs keep only the latest, which is what the panel ends up showing."""
+    res = explorer.run()
+    assert explorer.wait(60)
+    asked: list[int] = []
+    release = threading.Event()
+    attribute = tiny2.attribute
+
+    def gated(prompt, targets, *, positions, **kwargs):  # the real attribution, held back
+        asked.append(positions[0])
+        release.wait(60)
+        return attribute(prompt, targets, positions=positions, **kwargs)
+
+    monkeypatch.setattr(tiny2, "attribute", gated)
+    top = len(res.layers) - 1
+    for position in range(4):
+        explorer.heatmap.selected = [top, position]  # returns at once: the kernel is free
+    deadline = time.monotonic() + 60
+    while not asked and time.monotonic() < deadline:  # the first click's job has begun
+        time.sleep(0.01)
+    assert asked == [0] and explorer.cells.busy
+    release.set()
+    assert explorer.wait(120)
+    assert asked == [0, 3]  # positions 1 and 2 were replaced before they ran
+    att = explorer.attribution
+    expected = attribute(PROMPT, [int(res.target_ids[0])], positions=[3])
+    assert att.positions.tolist() == [3]
+    np.testing.assert_allclose(att.values, expected.values, rtol=1e-5, atol=1e-5)
+    assert explorer.attention_panel.query == 3
+
+
+@pytest.mark.engine
 def test_training_panel_offers_the_tuned_lens_and_cancel_keeps_the_best_so_far(explorer):
     """Train within a budget from the page: the bar fills, the lens menu offers the result,
     and the header says how it did. With a long budget, Cancel ends it before its next step,
@@ -1026,6 +1094,7 @@ def test_prompts_of_different_lengths_still_patch(comparing):
     assert "as many tokens" in comparing.compare_panel.diff_header.value
     # A drop still patches (a patch has a position in each prompt), and says why no diff.
     comparing.heatmap.set_state({"drop": {"source": [3, 5], "target": [3, 6]}})
+    assert comparing.wait(60)
     assert comparing.patch.source_position == 5 and comparing.patch.target_position == 6
     assert comparing.comparison is not None  # the run against its patched run
     assert comparing.run_sweep() is None

@@ -4,7 +4,7 @@ What a lens cell cannot say is where its prediction's information came from. The
 shows, for the selected cell's position, a layers x heads grid of what that query attends
 to (`AttentionView`); a click on a head draws its token-by-token pattern (from the result,
 or, where it holds the one query only, from ``fetch``, which the controller points at the
-engine); with an
+engine, on a thread of the panel's own so the kernel stays free: `wait` waits for it); with an
 attribution of the focus target (``attribute(..., heads=True)``) the selected layer's heads
 are drawn as bars of their contribution to its logit. The panel draws from results only: the
 controller (or a user with a stored `AttentionResult`) calls the engine. Its header is an
@@ -22,6 +22,7 @@ import numpy as np
 from envoykit.explorer.outputs import ENGINE_ERRORS, message_html
 from envoykit.explorer.payload import attention_data
 from envoykit.explorer.views import AttentionView
+from envoykit.explorer.work import Background
 from envoykit.results.attention import AttentionResult
 from envoykit.results.attribution import AttributionResult
 
@@ -45,6 +46,11 @@ class AttentionPanel(widgets.VBox):
         self.fetch: Callable[[int, int], AttentionResult] | None = None
         self._attribution: tuple[AttributionResult, int] | None = None
         self._whole: dict[tuple[int, int], AttentionResult] = {}
+        self._showing = False  # `show` draws what it selects itself
+        self.work = Background(
+            "envoykit-attention",
+            lambda why, details: self._head(why, error=True, details=details),
+        )
         super().__init__([self.header, self.view])
         self.add_class("ek-attention-panel")
         self.view.observe(self._on_selected, "selected")
@@ -91,20 +97,44 @@ class AttentionPanel(widgets.VBox):
         keys = res.keys[li, :, row]
         away = np.where(keys == query, 0.0, strips).max(-1)
         head = int(res.heads[int(away.argmax())])
-        with self.view.hold_sync():
-            self.view.selected = [layer, head]
-            self._draw()
+        self._showing = True
+        try:
+            with self.view.hold_sync():
+                self.view.selected = [layer, head]
+                self._draw()
+        finally:
+            self._showing = False
         self._head(
             f"what position {query} ({res.tokens[query]!r}) attends to in every layer and "
             "head; click a head for its whole pattern"
         )
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the head's pattern a click asked the engine for; whether it is drawn."""
+        return self.work.wait(timeout)
+
     def _on_selected(self, change: dict[str, Any]) -> None:
-        if self.result is not None and change["new"] is not None:
-            try:
-                self._draw()
-            except ENGINE_ERRORS as err:
-                self._head(str(err), error=True)
+        """A head clicked: drawn at once from what is held, else once ``fetch`` answers (the
+        latest click's head, on the panel's thread)."""
+        if self.result is None or change["new"] is None or self._showing:
+            return
+        layer, head = (int(i) for i in change["new"])
+        if self._fetches(layer, head):
+            self.work.submit(self._redraw)
+        else:
+            self._redraw()
+
+    def _fetches(self, layer: int, head: int) -> bool:
+        """Whether drawing head ``head`` of ``layer`` whole asks the engine."""
+        res = self.result
+        partial = res is not None and len(res.queries) < len(res.token_ids)
+        return partial and self.fetch is not None and (layer, head) not in self._whole
+
+    def _redraw(self) -> None:
+        try:
+            self._draw()
+        except ENGINE_ERRORS as err:
+            self._head(str(err), error=True)
 
     def _draw(self) -> None:
         res, selected = self.result, self.view.selected

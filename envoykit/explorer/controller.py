@@ -22,6 +22,12 @@ patches it into the first prompt's run, whose lens replaces the first heatmap an
 against the unpatched run replaces the diff. The first prompt is always the run studied:
 what the main heatmap, trajectory, attribution and export show. The sweep (`SweepPanel`)
 patches the second prompt into the first at every picked layer and position.
+
+Nothing a click asks of the engine runs on the kernel's thread: a Run, a pin and a drop run
+their lens on the lens thread (`work`), a cell's attribution and attention on the cells'
+thread (`cells`), each keeping only the latest request that arrives while one runs. Code
+that sets ``heatmap.selected`` or ``pinned`` waits with `wait` before it reads the result;
+`run` and `patch_cell` called from code run on the caller's thread and return the result.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import html
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,14 +159,20 @@ class LensExplorer(ExplorerLayout):
         for view in (self.compare_panel.source, self.compare_panel.diff):
             view.observe(self._on_other_pinned, "pinned")
         self.compare.observe(self._on_compare, "value")
-        # The Run button's lens on a thread of its own: the notebook stays usable meanwhile.
+        # Every lens a button, a pin or a drop asks for runs on a thread of its own, the
+        # latest waiting behind the one in flight: the notebook stays usable meanwhile.
         self.work = Background(
             "envoykit-lens", lambda why, details: self._refused(f"the run failed: {why}", details)
         )
-        self.run_button.on_click(lambda _: self.work.start(self.run))
+        # A cell click's attribution and attention, the same way, on a second thread.
+        self.cells = Background(
+            "envoykit-cell",
+            lambda why, details: self.attribution_panel.say(why, error=True, details=details),
+        )
+        self.run_button.on_click(lambda _: self.work.submit(self.run))
         self.cancel_button.on_click(lambda _: self.cancel())
         self.sweep_panel.button.on_click(lambda _: self.sweep_panel.start(self.run_sweep))
-        self.compare_panel.patch_button.on_click(lambda _: self._patch_selected())
+        self.compare_panel.patch_button.on_click(lambda _: self.work.submit(self._patch_selected))
 
         self.steering_panel = None if readonly else self._add_steering_panel()
         self.corpus_panel = None if readonly else self._add_corpus_panel()
@@ -174,7 +186,7 @@ class LensExplorer(ExplorerLayout):
             self._show()
         else:
             self._say("type a prompt and targets, pick layers, then press Run")
-            self._draw_attribution()
+            self._draw_cell()
 
     @property
     def attribution(self) -> AttributionResult | None:
@@ -273,10 +285,27 @@ class LensExplorer(ExplorerLayout):
             request["translator"] = self.translator
         return self._lens(request, picked, self._second_prompt())
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until what the last clicks asked for is drawn: the lens of a Run, a pin or a
+        drop, and a cell's attribution and attention (each runs on a thread of its own, so
+        a cell that sets ``heatmap.selected`` or ``pinned`` from code waits here before it
+        reads the result). Whether all of it finished within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        threads = (self.work, self.cells, self.attention_panel.work)
+        while any(work.busy for work in threads):  # a lens drawn starts a cell's work
+            for work in threads:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not work.wait(left):
+                    return False
+        return True
+
     def cancel(self) -> bool:
         """Stop the Run in flight (same as pressing Cancel): the ranks stop its lens before
-        their next chunk of work (a second prompt's lens not begun does not start), and the
-        explorer says it was cancelled. Whether a Run was in flight."""
+        their next chunk of work (a second prompt's lens not begun does not start), the
+        pins, drops and cell clicks waiting behind it are dropped, and the explorer says it
+        was cancelled. Whether a Run was in flight."""
+        self.work.drop_waiting()
+        self.cells.drop_waiting()
         run = self.work.thread
         if self.engine is None or run is None or not run.is_alive():
             return False
@@ -508,7 +537,7 @@ class LensExplorer(ExplorerLayout):
                     targets=targets,
                 )
                 names, about = ("clean", "patched"), "the first prompt's run → its patched run"
-        except Exception as err:  # on the kernel's thread: said here, or nowhere
+        except Exception as err:  # said here: its caller draws the rest
             line, details = failure(err)
             panel.say_diff(line, error=True, details=details)
             return
@@ -553,7 +582,7 @@ class LensExplorer(ExplorerLayout):
         self.metric.value = value if value in self._metric_keys() else "prob"
         self._show_pins()
         self._draw_trajectory()
-        self._draw_attribution()
+        self._draw_cell()
 
     def _metric_keys(self) -> list[str]:
         return [key for _, key in self.metric.options]
@@ -626,9 +655,19 @@ class LensExplorer(ExplorerLayout):
 
     def _on_drop(self, change: dict[str, Any]) -> None:
         drop = change["new"]
-        if drop is not None:
-            self.heatmap.drop = None  # an event: the same drop made again is seen again
+        if drop is None:
+            return
+        self.heatmap.drop = None  # an event: the same drop made again is seen again
+        dropped_on = (self.result, self.other_result)
+
+        def patch() -> None:
+            # The cells name rows and columns of the heatmaps the drop was made on.
+            if (self.result, self.other_result) != dropped_on:
+                self._say("the heatmaps changed before the drop was applied: drop again", True)
+                return
             self.patch_cell(drop["source"], drop["target"])
+
+        self.work.submit(patch)
 
     def _patch_selected(self) -> LensResult | None:
         """Patch the second heatmap's selected cell in: at the first heatmap's selected
@@ -666,25 +705,49 @@ class LensExplorer(ExplorerLayout):
 
     def _on_selected(self, _: Any) -> None:
         self._draw_trajectory()
-        self._draw_attribution()
-        self._draw_attention()
+        self._draw_cell(attention=True)
 
-    def _on_pinned(self, change: dict[str, Any]) -> None:
-        if self.result is None:
-            return
-        known = set(self.result.target_ids.tolist())
-        new = [i for i in change["new"] if i not in known]
-        # A pin that was added to the lens's targets (an id, not a typed target) goes with it.
-        unpinned = set(change["old"]) - set(change["new"])
-        dropped = self._request is not None and unpinned & set(self._request["targets"])
-        if (new or dropped) and self.engine is not None and self._request is not None:
-            typed = [t for t in self._request["targets"] if isinstance(t, str)]
-            request = {**self._request, "targets": self._targets_with_pins(typed)}
-            self._lens(request, self._rows, self._other)  # what is shown, with the pins
-        else:
+    def _on_pinned(self, _: Any = None) -> None:
+        """Pins the lens shown lacks (or an unpinned one it measured) ask for the lens
+        again, after a Run in flight (whose request is then the one to follow); any other
+        change of pins is drawn at once."""
+        if self.engine is not None and (self.work.busy or self._pins_need_a_lens()):
+            self.work.submit(self._follow_pins)
+        elif self.result is not None:
             self._show_pins()
             self._draw_trajectory()
-            self._draw_attribution()
+            self._draw_cell()
+
+    def _pins_need_a_lens(self) -> bool:
+        """Whether the lens shown lacks a pinned token, or measured one no longer pinned
+        (a pin is added to the lens's targets as an id, not as a typed target)."""
+        if self.result is None or self._request is None:
+            return False
+        pinned = set(self.heatmap.pinned)
+        asked = {t for t in self._request["targets"] if not isinstance(t, str)}
+        return bool(pinned - set(self.result.target_ids.tolist()) or asked - pinned)
+
+    def _follow_pins(self) -> None:
+        """The lens shown again with the pins as they are now (on the lens's thread)."""
+        if self._pins_need_a_lens():
+            typed = [t for t in self._request["targets"] if isinstance(t, str)]
+            request = {**self._request, "targets": self._targets_with_pins(typed)}
+            self._lens(request, self._rows, self._other)
+        elif self.result is not None:
+            self._show_pins()
+            self._draw_trajectory()
+            self._draw_cell()
+
+    def _draw_cell(self, attention: bool = False) -> None:
+        """The selected cell's attribution, and with ``attention`` its attention: what can be
+        said at once is said here; what needs the engine runs on the cells' thread, the
+        latest click's in place of any still waiting."""
+        jobs = [self._draw_attribution()]
+        if attention:
+            jobs.append(self._draw_attention())
+        todo = [job for job in jobs if job is not None]
+        if todo:
+            self.cells.submit(lambda: [job() for job in todo])
 
     def _show_pins(self) -> None:
         """A chip per pinned token (a click unpins it), then what attribution and the sweep
@@ -747,45 +810,52 @@ class LensExplorer(ExplorerLayout):
             figure_output(ax.figure, f"trajectory of {labels} at position {position}"),
         )
 
-    def _draw_attribution(self) -> None:
+    def _draw_attribution(self) -> Callable[[], None] | None:
         """The direct logit attribution at the selected cell's position, for the token pinned
-        last or else the first target; the engine is asked only when either changed."""
+        last or else the first target; the engine is asked only when either changed, by the
+        job returned (None: all is said)."""
         panel = self.attribution_panel
         if self.engine is None:
             panel.say("needs an engine: this explorer shows a stored LensResult")
-            return
+            return None
         shown = self._shown()
         if shown is None or self.heatmap.selected is None:
             panel.say("click a heatmap cell to see who wrote the prediction at its position")
-            return
+            return None
         if self.patch is not None:
             panel.say(
                 "the lens shown is of a patched run, and attribution runs on unpatched "
                 "prompts only: Run to go back to the unpatched lens"
             )
-            return
+            return None
         target = self._focus_target(shown)
         if target is None:
             panel.say("type or pin a target to see its attribution at the selected cell")
-            return
+            return None
         row, column = self.heatmap.selected
         prompt, position = shown.prompt, int(shown.positions[column])
+        layer, label = int(shown.layers[row]), shown.layer_labels[row]
         att = panel.result
-        fresh = (
+        if (
             att is not None
             and att.prompt == prompt
             and att.positions.tolist() == [position]
             and att.target_ids.tolist() == [target]
-        )
-        if not fresh:
-            panel.busy(f"attributing at position {position}")
+        ):
+            panel.show(att, target, layer=layer, row=label)
+            return None
+        panel.busy(f"attributing at position {position}")
+
+        def attribute() -> None:
             try:
-                att = self._attribute(prompt, target, position)
-            except Exception as err:  # on the kernel's thread: said here, or nowhere
+                fresh = self._attribute(prompt, target, position)
+            except Exception as err:  # on the cells' thread: said here, or nowhere
                 line, details = failure(err)
                 panel.say(line, error=True, details=details)
                 return
-        panel.show(att, target, layer=int(shown.layers[row]), row=shown.layer_labels[row])
+            panel.show(fresh, target, layer=layer, row=label)
+
+        return attribute
 
     def _attribute(self, prompt: str, target: int, position: int) -> AttributionResult:
         """The attribution at one position, split into heads where the model allows it (the
@@ -800,48 +870,54 @@ class LensExplorer(ExplorerLayout):
                 raise
             return self.engine.attribute(prompt, [target], positions=[position])
 
-    def _draw_attention(self) -> None:
+    def _draw_attention(self) -> Callable[[], None] | None:
         """What the selected cell's position attends to at every layer and head, opened at
-        the cell's layer; the heads' contributions to the attribution's target as bars."""
+        the cell's layer; the heads' contributions to the attribution's target as bars. The
+        engine is asked by the job returned, after the attribution's (None: all is said)."""
         panel = self.attention_panel
         shown = self._shown()
         if self.engine is None:
             panel.say("needs an engine: this explorer shows a stored LensResult")
-            return
+            return None
         if shown is None or self.heatmap.selected is None:
             panel.say("click a heatmap cell to see what its position attends to")
-            return
+            return None
         if self.patch is not None:
             panel.say("the lens shown is of a patched run; Run to go back to the unpatched one")
-            return
+            return None
         heads = self.engine.readout.heads
         if isinstance(heads, str):
             panel.say(heads)
-            return
+            return None
         row, column = self.heatmap.selected
         prompt, position = shown.prompt, int(shown.positions[column])
         if position >= len(self.engine.tokenizer(prompt)["input_ids"]):
             panel.say("a generated position: attention is drawn for the prompt's positions")
-            return
+            return None
+        layer = max(1, int(shown.layers[row]))
         panel.busy(f"attention at position {position}")
         engine = self.engine
-        try:
-            res = engine.attention(prompt, queries=[position])
-        except Exception as err:  # on the kernel's thread: said here, or nowhere
-            line, details = failure(err)
-            panel.say(line, error=True, details=details)
-            return
-        panel.fetch = lambda layer, head: engine.attention(prompt, layers=[layer], heads=[head])
-        att = self.attribution_panel.result
-        usable = att is not None and att.head_values is not None and att.prompt == prompt
-        usable = usable and att.positions.tolist() == [position]
-        panel.show(
-            res,
-            position,
-            layer=max(1, int(shown.layers[row])),
-            attribution=att if usable else None,
-            target=int(att.target_ids[0]) if usable else None,
-        )
+
+        def attend() -> None:
+            try:
+                res = engine.attention(prompt, queries=[position])
+            except Exception as err:  # on the cells' thread: said here, or nowhere
+                line, details = failure(err)
+                panel.say(line, error=True, details=details)
+                return
+            panel.fetch = lambda layer, head: engine.attention(prompt, layers=[layer], heads=[head])
+            att = self.attribution_panel.result
+            usable = att is not None and att.head_values is not None and att.prompt == prompt
+            usable = usable and att.positions.tolist() == [position]
+            panel.show(
+                res,
+                position,
+                layer=layer,
+                attribution=att if usable else None,
+                target=int(att.target_ids[0]) if usable else None,
+            )
+
+        return attend
 
     def _focus_target(self, shown: LensResult) -> int | None:
         """The token the attribution and the sweep follow: pinned last, else the first target."""

@@ -20,17 +20,25 @@ from envoykit.explorer.outputs import failure
 
 
 class Background:
-    """One piece of work at a time, on a daemon thread named ``name``."""
+    """One piece of work at a time, on a daemon thread named ``name``.
+
+    `start` refuses while work runs (a button's long job: pressing it twice means nothing
+    more). `submit` keeps the latest of what arrives meanwhile and runs it next, on the same
+    thread, dropping what it replaced: clicks (a cell, a pin, a drop) each ask for the view
+    of the state they leave, so only the last one still matters."""
 
     def __init__(self, name: str, on_error: Callable[[str, str], None]) -> None:
         """``on_error(line, details)`` says an error the work did not catch: its line and
         its traceback (`envoykit.explorer.outputs.failure`)."""
         self._name, self._on_error = name, on_error
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._next: Callable[[], Any] | None = None
+        self._running = False  # set and cleared under the lock, so no submit is stranded
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._running
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -39,24 +47,54 @@ class Background:
 
     def start(self, work: Callable[[], Any]) -> bool:
         """Run ``work`` on the thread; False (and nothing started) while the last runs."""
-        if self.busy:
-            return False
-
-        def run() -> None:
-            try:
-                work()
-            except Exception as err:  # a thread's error reaches no cell: say it
-                self._on_error(*failure(err))
-
-        self._thread = threading.Thread(target=run, name=self._name, daemon=True)
-        self._thread.start()
+        with self._lock:
+            if self.busy:
+                return False
+            self._launch(work)
         return True
 
+    def submit(self, work: Callable[[], Any]) -> None:
+        """Run ``work`` now, or after the work in flight in place of any work waiting."""
+        with self._lock:
+            if self.busy:
+                self._next = work
+            else:
+                self._launch(work)
+
+    def drop_waiting(self) -> bool:
+        """Forget the work waiting behind the one in flight (a Cancel); whether there was."""
+        with self._lock:
+            dropped, self._next = self._next is not None, None
+        return dropped
+
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the work started last; whether it has finished."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return not self.busy
+        """Wait for the work in flight and what waits behind it; whether all has finished."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (thread := self._thread) is not None and thread.is_alive():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            thread.join(left)
+        return True
+
+    def _launch(self, work: Callable[[], Any]) -> None:
+        """A new thread that runs ``work``, then whatever was submitted meanwhile (the lock
+        is held by the caller)."""
+
+        def run() -> None:
+            job: Callable[[], Any] | None = work
+            while job is not None:
+                try:
+                    job()
+                except Exception as err:  # a thread's error reaches no cell: say it
+                    self._on_error(*failure(err))
+                with self._lock:
+                    job, self._next = self._next, None
+                    self._running = job is not None
+
+        self._running = True
+        self._thread = threading.Thread(target=run, name=self._name, daemon=True)
+        self._thread.start()
 
 
 class Ticker:

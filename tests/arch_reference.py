@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,6 +28,36 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 _PRENORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
 # The attention block of a parallel layer.
 _ATTENTIONS = ("attn", "attention", "self_attn", "self_attention")
+
+
+PROB_TOL = 1e-4  # probability, float32 on both sides
+
+
+def probs(logits: torch.Tensor) -> np.ndarray:
+    return torch.softmax(logits.double(), -1).numpy()
+
+
+def assert_lens_matches(res, logits: torch.Tensor) -> None:
+    """A lens result's rows against reference logits ``[rows, T, vocab]``: the reference's
+    probabilities at the engine's top-k ids, the engine's top-k probabilities against the
+    reference's own top k (so a wrong token at rank 2..k fails), the top-k token sets where
+    the reference's k-th and (k+1)-th are not tied, top-1 where the first two are not, and
+    entropy."""
+    p = probs(logits)
+    want = np.take_along_axis(p, res.top_ids, -1)
+    np.testing.assert_allclose(res.top_probs, want, atol=PROB_TOL, rtol=0)
+    k = res.top_ids.shape[-1]
+    best = np.argsort(-p, -1, kind="stable")[..., : k + 1]
+    best_probs = np.take_along_axis(p, best, -1)
+    np.testing.assert_allclose(res.top_probs, best_probs[..., :k], atol=PROB_TOL, rtol=0)
+    apart = best_probs[..., k - 1] - best_probs[..., k] > PROB_TOL
+    np.testing.assert_array_equal(
+        np.sort(res.top_ids, -1)[apart], np.sort(best[..., :k], -1)[apart]
+    )
+    decided = best_probs[..., 0] - best_probs[..., 1] > PROB_TOL
+    np.testing.assert_array_equal(res.top_ids[..., 0][decided], best[..., 0][decided])
+    entropy = -(p * np.log(np.clip(p, 1e-300, None))).sum(-1)
+    np.testing.assert_allclose(res.entropy, entropy, atol=1e-3, rtol=1e-4)
 
 
 @functools.cache

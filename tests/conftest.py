@@ -75,3 +75,20 @@ def small_disk(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Matrix cases that an ``applies`` marker rules out are deselected, not skipped: a test
+    that cannot apply to an architecture is not generated for it, so that every skip left in
+    the report is a case that could have run and did not."""
+    keep, drop = [], []
+    for item in items:
+        mark = item.get_closest_marker("applies")
+        callspec = getattr(item, "callspec", None)
+        if mark and callspec and "case" in callspec.params:
+            (keep if mark.kwargs["to"](*callspec.params["case"]) else drop).append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

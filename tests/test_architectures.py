@@ -28,7 +28,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.architectures]
 PROMPT = "The capital of France is"
 OTHER = "The capital of Italy is"  # as many tokens as PROMPT in the shipped tokenizer
 TARGETS = [261, 271]  # " the", " is": single tokens of the shipped tokenizer
-PROB_TOL = 1e-4
 
 
 def _family(arch: architectures.Architecture):
@@ -60,33 +59,6 @@ def case(request):
         yield Case(name, engine)
 
 
-def _probs(logits: torch.Tensor) -> np.ndarray:
-    return torch.softmax(logits.double(), -1).numpy()
-
-
-def _assert_lens_matches(res: ek.LensResult, logits: torch.Tensor) -> None:
-    """``res`` rows against reference logits ``[rows, T, vocab]``: the reference's
-    probabilities at the engine's top-k ids, the engine's top-k probabilities against the
-    reference's own top k (so a wrong token at rank 2..k fails), the top-k token sets where
-    the reference's k-th and (k+1)-th are not tied, top-1 where the first two are not, and
-    entropy."""
-    probs = _probs(logits)
-    want = np.take_along_axis(probs, res.top_ids, -1)
-    np.testing.assert_allclose(res.top_probs, want, atol=PROB_TOL, rtol=0)
-    k = res.top_ids.shape[-1]
-    best = np.argsort(-probs, -1, kind="stable")[..., : k + 1]
-    best_probs = np.take_along_axis(probs, best, -1)
-    np.testing.assert_allclose(res.top_probs, best_probs[..., :k], atol=PROB_TOL, rtol=0)
-    apart = best_probs[..., k - 1] - best_probs[..., k] > PROB_TOL
-    np.testing.assert_array_equal(
-        np.sort(res.top_ids, -1)[apart], np.sort(best[..., :k], -1)[apart]
-    )
-    decided = best_probs[..., 0] - best_probs[..., 1] > PROB_TOL
-    np.testing.assert_array_equal(res.top_ids[..., 0][decided], best[..., 0][decided])
-    entropy = -(probs * np.log(np.clip(probs, 1e-300, None))).sum(-1)
-    np.testing.assert_allclose(res.entropy, entropy, atol=1e-3, rtol=1e-4)
-
-
 def test_last_layer_is_the_models_own_distribution(case):
     import nnsight
 
@@ -94,26 +66,29 @@ def test_last_layer_is_the_models_own_distribution(case):
     res = engine.lens(PROMPT, layers=[-1], top_k=5)
     with engine.trace(PROMPT):
         logits = nnsight.save(engine.model.logits.cpu())
-    probs = _probs(logits.reshape(-1, logits.shape[-1])[-1:])
+    probs = ref.probs(logits.reshape(-1, logits.shape[-1])[-1:])
     want = np.take_along_axis(probs, res.top_ids[0, -1:], -1)
     np.testing.assert_allclose(res.top_probs[0, -1:], want, atol=1e-5, rtol=0)
 
 
 def test_lens_at_every_layer_matches_transformers(case):
     res = case.engine.lens(PROMPT, layers=("embed", "all"), top_k=5)
-    _assert_lens_matches(res, case.ref["lens"])
+    ref.assert_lens_matches(res, case.ref["lens"])
 
 
 def test_each_sublayer_site_matches_transformers(case):
     sites = ("attn", "mlp") if case.parallel else ("attn", "resid_mid", "mlp")
     res = case.engine.lens(PROMPT, sites=sites, top_k=5)
     for site in sites:
-        _assert_lens_matches(res.select(sites=site), case.ref["sites"][site])
+        ref.assert_lens_matches(res.select(sites=site), case.ref["sites"][site])
 
 
+def _parallel(name: str, tp: int) -> bool:
+    return _family(architectures.ARCHITECTURES[name]).parallel
+
+
+@pytest.mark.applies(to=_parallel)  # a sequential layer has the site
 def test_parallel_blocks_have_no_stream_between_them(case):
-    if not case.parallel:
-        pytest.skip("a sequential layer: it has the site")
     with pytest.raises(ek.InvalidRequest, match="no stream between them"):
         case.engine.lens(PROMPT, sites=("resid_mid",))
 
@@ -136,7 +111,7 @@ def test_a_mid_layer_patch_equals_a_hook_patch(case):
         top_k=5,
         patch=ek.Patch(PROMPT, layer=2, source_position=-1, target_position=-1),
     )
-    _assert_lens_matches(res, case.ref["patched"][None])
+    ref.assert_lens_matches(res, case.ref["patched"][None])
 
 
 @pytest.mark.parametrize("norm_match", [False, True])
@@ -144,7 +119,7 @@ def test_a_steer_equals_a_hook_addition(case, norm_match):
     vector = ref.steering_vector(case.engine.info.d_model)
     steer = ek.Steer(vector, 2, norm_match=norm_match)
     res = case.engine.lens(PROMPT, layers=[-1], top_k=5, steer=steer)
-    _assert_lens_matches(res, case.ref["steered_norm" if norm_match else "steered"][None])
+    ref.assert_lens_matches(res, case.ref["steered_norm" if norm_match else "steered"][None])
     plain = case.engine.lens(PROMPT, layers=[-1], top_k=5)
     assert not np.allclose(plain.top_probs, res.top_probs, atol=1e-6)  # the steer took effect
 
@@ -176,6 +151,7 @@ def test_attention_patterns_equal_transformers_eager(case):
     np.testing.assert_array_equal(top.keys[0], np.argsort(-full, -1, kind="stable")[..., :2])
 
 
+@pytest.mark.applies(to=lambda name, tp: tp == 1)  # at TP > 1 the kernel's output is a piece
 def test_attention_patterns_reproduce_the_kernels_own_output(case):
     """At TP=1 the kernel's output is whole: the pattern times the kernel's values must be
     it (float32 rounding, relative to the output), at every layer, with no drift between
@@ -186,8 +162,8 @@ def test_attention_patterns_reproduce_the_kernels_own_output(case):
     from envoykit.ranks.heads import local_patterns, query_key
 
     engine = case.engine
-    if engine.info.tp != 1 or isinstance(engine.readout.heads, str):
-        pytest.skip("the kernel's output is one rank's piece at TP > 1, or there is no kernel")
+    if isinstance(engine.readout.heads, str):
+        pytest.skip(f"no attention kernel to read: {engine.readout.heads}")
     layout, model, path = engine.readout.heads, engine.model, engine.readout.layers
     with engine.trace(PROMPT):
         layers = at(model, path)
@@ -216,10 +192,10 @@ def test_head_patching_and_ablation_equal_hook_edits(case):
             engine.lens(OTHER, layers=[-1], patch=patch)
         return
     res = engine.lens(OTHER, layers=[-1], top_k=5, patch=patch)
-    _assert_lens_matches(res, case.ref["head_patched"][None])
+    ref.assert_lens_matches(res, case.ref["head_patched"][None])
     for kind in ("zero", "mean"):
         res = engine.lens(PROMPT, layers=[-1], top_k=5, patch=ek.Ablate(2, 1, kind=kind))
-        _assert_lens_matches(res, case.ref[f"head_{kind}"][None])
+        ref.assert_lens_matches(res, case.ref[f"head_{kind}"][None])
     clean = engine.lens(PROMPT, layers=[-1], top_k=5)
     assert not np.allclose(clean.top_probs, res.top_probs, atol=1e-6)  # the edit took effect
 
@@ -253,8 +229,8 @@ def test_compare_sweep_generation_and_tuned_lens_run(case):
         PROMPT, OTHER, layers=[1, 2], positions=[-1], target_token=TARGETS[0], progress=False
     )
     # Layer 2's cell is the hook-patched transformers run; each cell is the patched lens.
-    hooked = _probs(case.ref["patched"])[-1, TARGETS[0]]
-    np.testing.assert_allclose(sweep.values[1, 0], hooked, atol=PROB_TOL, rtol=0)
+    hooked = ref.probs(case.ref["patched"])[-1, TARGETS[0]]
+    np.testing.assert_allclose(sweep.values[1, 0], hooked, atol=ref.PROB_TOL, rtol=0)
     for row, layer in enumerate([1, 2]):
         patch = ek.Patch(PROMPT, layer=layer, source_position=-1, target_position=-1)
         patched = engine.lens(OTHER, layers=[-1], targets=TARGETS[:1], patch=patch)
@@ -269,7 +245,7 @@ def test_compare_sweep_generation_and_tuned_lens_run(case):
         tuned = ek.TunedLens.train(engine, offline_texts()[0], steps=2, progress=False)
         lensed = engine.lens(PROMPT, layers=("embed", "all"), top_k=5, translator=tuned)
         path, parallel = engine.info.path, case.parallel
-        _assert_lens_matches(lensed, ref.tuned_logits(path, PROMPT, parallel, tuned.to_bytes()))
+        ref.assert_lens_matches(lensed, ref.tuned_logits(path, PROMPT, parallel, tuned.to_bytes()))
 
 
 def test_collect_and_lens_corpus_equal_transformers_and_the_per_prompt_lens(case, tmp_path):

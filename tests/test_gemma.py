@@ -2,7 +2,8 @@
 
 Its weights are under the Gemma terms of use, so this runs only where they were accepted
 and its packages are installed: ``make test-gemma``. Tolerances as the architecture matrix's:
-1e-4 in probability for the lens at every layer and at each sub-layer site.
+1e-4 in probability for the lens at every layer and at each sub-layer site, and the same
+top-k token sets and top-1 (`arch_reference.assert_lens_matches`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ import importlib.util
 import os
 
 import arch_reference as ref
-import numpy as np
 import pytest
-import torch
 
 import envoykit as ek
 from envoykit.runtime.models import GEMMA_TERMS_ENV
@@ -38,15 +37,10 @@ def gemma():
         yield engine
 
 
-def _gap(res: ek.LensResult, logits: torch.Tensor) -> float:
-    probs = torch.softmax(logits.double(), -1).numpy()
-    return float(np.abs(res.top_probs - np.take_along_axis(probs, res.top_ids, -1)).max())
-
-
 def test_lens_and_sites_match_transformers_at_tp2(gemma):
     assert gemma.info.validated == ("lens", "attribution", "sites")
     want = ref.reference(gemma.info.path, PROMPT, OTHER, False)
-    assert _gap(gemma.lens(PROMPT, layers=("embed", "all"), top_k=5), want["lens"]) < 1e-4
+    ref.assert_lens_matches(gemma.lens(PROMPT, layers=("embed", "all"), top_k=5), want["lens"])
     res = gemma.lens(PROMPT, sites=("attn", "resid_mid", "mlp"), top_k=5)
     for site in ("attn", "resid_mid", "mlp"):
-        assert _gap(res.select(sites=site), want["sites"][site]) < 1e-4, site
+        ref.assert_lens_matches(res.select(sites=site), want["sites"][site])

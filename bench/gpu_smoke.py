@@ -4,10 +4,11 @@
     python bench/gpu_smoke.py --device cpu   # the same run on the CPU (a dry run of the script)
 
 Runs the lens statistics (one rank and a vocabulary split across two simulated ranks, whose
-exchange refuses a tensor that is not on the device, as NCCL does), direct logit attribution
-and a tuned-lens translator with a toy fused add-norm and head on the device, and prints the
-largest difference from the same computation on the CPU. It exits non-zero on a difference
-above 1e-4 or on any error, so it can be run as a check on a machine with a GPU.
+exchange refuses a tensor that is not on the device, as NCCL does), direct logit attribution,
+a tuned-lens translator with a toy fused add-norm and head, and a TopK SAE's features, top
+features and reconstruction, all on the device, and prints the largest difference from the
+same computation on the CPU. It exits non-zero on a difference above 1e-4 or on any error,
+so it can be run as a check on a machine with a GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from safetensors.torch import save as save_tensors
 
 from envoykit.analyses import attribution, lens
 from envoykit.model.vocab_shard import VocabShard
-from envoykit.ranks import translators
+from envoykit.ranks import sae, translators
 
 D, VOCAB, T, LAYERS = 64, 1000, 12, 6
 TOLERANCE = 1e-4
@@ -97,7 +98,41 @@ def run(device: torch.device) -> dict[str, torch.Tensor]:
             raise RuntimeError(f"translators installed on {weight.device}, not on {device}")
         out["translate"] = translators.translate(key, 1, streams[1][0]).cpu()
         del translators.INSTALLED[key]
+        out.update(sae_features(device, streams[3][0], g))
     return out
+
+
+def sae_features(device: torch.device, stream: torch.Tensor, g: torch.Generator) -> dict:
+    """A TopK SAE's slice on the device, as `SAEStore.envoykit_install_sae` unpacks it (one
+    rank holding every feature): its features of ``stream``, its top features and its
+    reconstruction, with the exchange refusing a tensor left on the CPU."""
+    d_sae = 4 * D
+    blob = save_tensors(
+        {
+            "W_enc": torch.randn(D, d_sae, generator=g) * 0.1,
+            "b_enc": torch.randn(d_sae, generator=g) * 0.01,
+            "W_dec": torch.randn(d_sae, D, generator=g) * 0.1,
+            "b_dec": torch.randn(D, generator=g) * 0.01,
+        }
+    )
+    config = '{"architecture": "topk", "k": 8, "apply_b_dec_to_input": true, '
+    config += '"normalize_activations": "none"}'
+    key = "gpu-smoke"
+    sae.INSTALLED[key] = sae.unpack(config, blob, 0, 1)
+    try:
+        gather = checked_gather(device)
+        encoded = sae.encode(key, stream, gather)
+        ids, acts, l0 = sae.top_features(key, encoded, 5, gather)
+        if int(l0.max()) > 8:
+            raise RuntimeError(f"a TopK SAE with k=8 had {int(l0.max())} features on")
+        return {
+            "sae.acts": encoded.acts.cpu(),
+            "sae.top_ids": ids.float().cpu(),
+            "sae.top_acts": acts.cpu(),
+            "sae.reconstruction": sae.decode(key, encoded, gather).cpu(),
+        }
+    finally:
+        del sae.INSTALLED[key]
 
 
 def main() -> int:

@@ -180,12 +180,15 @@ def _global_topk(sae: RankSAE, pre: torch.Tensor, gather: Gather) -> torch.Tenso
     every = gather(torch.cat([values, ids.to(values.dtype)], dim=-1))  # [ranks, T, 2k]
     candidates, candidate_ids = _columns(every, k, 2)
     picked = candidate_ids.gather(-1, candidates.topk(k, dim=-1).indices).long()
+    if sae.size == 0:  # a rank with no features of its own (more ranks than features)
+        return pre
     local = picked - sae.start
     mine = (local >= 0) & (local < sae.size)
-    keep = torch.zeros_like(pre, dtype=torch.bool)
-    rows = torch.arange(pre.shape[0], device=pre.device).unsqueeze(-1).expand_as(local)
-    keep[rows[mine], local[mine]] = True
-    return pre * keep
+    # A count of the picks per feature, not a boolean index: no shape that depends on the
+    # data, so no wait for the device, and the others' picks (clamped) add nothing.
+    hits = torch.zeros_like(pre, dtype=torch.int32)
+    hits.scatter_add_(-1, local.clamp(0, sae.size - 1), mine.to(torch.int32))
+    return pre * (hits > 0)
 
 
 def _candidates(values: torch.Tensor, k: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,19 +4,23 @@ On the ``meta`` device a tensor has a shape and no data, and combining it with a
 raises (a CPU tensor written from a meta one, or concatenated with one), as it would on
 CUDA; so does asking a meta tensor for a number. The functions that run on the ranks — the
 lens statistics, the vocabulary-parallel exchange, direct logit attribution, the tuned-lens
-translators, the unembedding's row lookup and the heads' patterns and writes — are handed a
-norm, a head and streams on that device; the exchange itself checks that what it is asked to
-send is there too (gloo and NCCL send only tensors on their own device).
+translators, the unembedding's row lookup, the heads' patterns and writes, and an SAE's
+features — are handed a norm, a head and streams on that device; the exchange itself checks
+that what it is asked to send is there too (gloo and NCCL send only tensors on their own
+device).
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import save as save_tensors
 
 from envoykit.analyses import attribution, lens
 from envoykit.model.vocab_shard import VocabShard
-from envoykit.ranks import heads, translators, vocab_parallel
+from envoykit.ranks import heads, sae, translators, vocab_parallel
 
 D, VOCAB, T = 8, 20, 3
 DEVICE = torch.device("meta")
@@ -145,3 +149,45 @@ class TestOnAnotherDevice:
         finally:
             del translators.INSTALLED[key]
         assert out.device == DEVICE
+
+    @pytest.mark.parametrize("architecture", ["topk", "jumprelu", "relu"])
+    def test_sae_features(self, architecture):
+        """One rank's slice of an SAE, unpacked on the CPU as installed: its features, top
+        features, chosen features' activations, decoder rows and reconstruction all stay
+        on the stream's device (a TopK SAE's global top-k included: no boolean index)."""
+        d_sae = 16
+        blob = save_tensors(
+            {
+                "W_enc": torch.ones(D, d_sae),
+                "b_enc": torch.zeros(d_sae),
+                "W_dec": torch.ones(d_sae, D),
+                "b_dec": torch.zeros(D),
+                "threshold": torch.zeros(d_sae),
+            }
+        )
+        config = json.dumps(
+            {
+                "architecture": architecture,
+                "k": 4,
+                "apply_b_dec_to_input": True,
+                "normalize_activations": "layer_norm",
+            }
+        )
+        key = "device-test"
+        sae.INSTALLED[key] = sae.unpack(config, blob, 1, 2)
+        try:
+            encoded = sae.encode(key, torch.ones(T, D, device=DEVICE), exchange)
+            ids, acts, l0 = sae.top_features(key, encoded, 3, exchange)
+            chosen = torch.tensor([0, 9])
+            out = [
+                encoded.acts,
+                ids,
+                acts,
+                l0,
+                sae.decode(key, encoded, exchange),
+                sae.activations_of(key, encoded, chosen, exchange),
+                sae.decoder_rows(key, chosen, DEVICE, exchange),
+            ]
+        finally:
+            del sae.INSTALLED[key]
+        assert [t.device for t in out] == [DEVICE] * len(out)

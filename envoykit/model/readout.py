@@ -29,7 +29,7 @@ tensor (a pair, normalised with the fused norm), else ``value`` alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,11 +86,18 @@ class Addition:
     vector: torch.Tensor
     positions: tuple[int, ...] | None = None
     norm_match: bool = False
+    # The vector on each device it met: moved once per request, not at every generated step.
+    on: dict[torch.device, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def vector_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self.on:
+            self.on[device] = self.vector.to(device)
+        return self.on[device]
 
     def apply(self, first: torch.Tensor, second: torch.Tensor | None) -> None:
         rows = slice(None) if self.positions is None else list(self.positions)
         stream = first[rows].float() if second is None else first[rows].float() + second[rows]
-        steered = stream + self.vector.to(stream.device)
+        steered = stream + self.vector_on(stream.device)
         if self.norm_match:
             norms = steered.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
             steered = steered * (stream.norm(dim=-1, keepdim=True) / norms)

@@ -4,10 +4,10 @@ On the ``meta`` device a tensor has a shape and no data, and combining it with a
 raises (a CPU tensor written from a meta one, or concatenated with one), as it would on
 CUDA; so does asking a meta tensor for a number. The functions that run on the ranks — the
 lens statistics, the vocabulary-parallel exchange, direct logit attribution, the tuned-lens
-translators, the unembedding's row lookup, the heads' patterns and writes, and an SAE's
-features — are handed a norm, a head and streams on that device; the exchange itself checks
-that what it is asked to send is there too (gloo and NCCL send only tensors on their own
-device).
+translators, the unembedding's row lookup, the heads' patterns and writes, a steer and an
+SAE's features — are handed a norm, a head and streams on that device; the exchange itself
+checks that what it is asked to send is there too (gloo and NCCL send only tensors on their
+own device).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from envoykit.analyses import attribution, lens
+from envoykit.model.readout import Addition, Cell
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import heads, sae, translators, vocab_parallel
 
@@ -191,3 +192,12 @@ class TestOnAnotherDevice:
         finally:
             del sae.INSTALLED[key]
         assert [t.device for t in out] == [DEVICE] * len(out)
+
+    def test_a_steer_moves_its_vector_to_the_device_once(self):
+        """A steer arrives from the client on the CPU; on the ranks it is added at every
+        generated step, from one copy on the stream's device."""
+        add = Addition(Cell(1, "resid", None), torch.ones(D))
+        for _ in range(3):
+            stream = torch.ones(T, D, device=DEVICE)
+            add.apply(stream, None)
+        assert list(add.on) == [DEVICE] and add.on[DEVICE].device == DEVICE

@@ -5,10 +5,10 @@
 
 Runs the lens statistics (one rank and a vocabulary split across two simulated ranks, whose
 exchange refuses a tensor that is not on the device, as NCCL does), direct logit attribution,
-a tuned-lens translator with a toy fused add-norm and head, and a TopK SAE's features, top
-features and reconstruction, all on the device, and prints the largest difference from the
-same computation on the CPU. It exits non-zero on a difference above 1e-4 or on any error,
-so it can be run as a check on a machine with a GPU.
+a tuned-lens translator with a toy fused add-norm and head, a norm-matched steer, and a TopK
+SAE's features, top features and reconstruction, all on the device, and prints the largest
+difference from the same computation on the CPU. It exits non-zero on a difference above
+1e-4 or on any error, so it can be run as a check on a machine with a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from envoykit.analyses import attribution, lens
+from envoykit.model.readout import Addition, Cell
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import sae, translators
 
@@ -98,6 +99,11 @@ def run(device: torch.device) -> dict[str, torch.Tensor]:
             raise RuntimeError(f"translators installed on {weight.device}, not on {device}")
         out["translate"] = translators.translate(key, 1, streams[1][0]).cpu()
         del translators.INSTALLED[key]
+        # A steer as the ranks get it: its vector on the CPU, added on the device.
+        steer = Addition(Cell(2, "resid", None), torch.randn(D, generator=g), norm_match=True)
+        steered = streams[2][0].clone()
+        steer.apply(steered, None)
+        out["steer"] = steered.cpu()
         out.update(sae_features(device, streams[3][0], g))
     return out
 

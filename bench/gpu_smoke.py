@@ -18,6 +18,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from features import random_sae
 from safetensors.torch import save as save_tensors
 
 from envoykit.analyses import attribution, lens
@@ -104,27 +105,17 @@ def run(device: torch.device) -> dict[str, torch.Tensor]:
         steered = streams[2][0].clone()
         steer.apply(steered, None)
         out["steer"] = steered.cpu()
-        out.update(sae_features(device, streams[3][0], g))
+        out.update(sae_features(device, streams[3][0]))
     return out
 
 
-def sae_features(device: torch.device, stream: torch.Tensor, g: torch.Generator) -> dict:
-    """A TopK SAE's slice on the device, as `SAEStore.envoykit_install_sae` unpacks it (one
-    rank holding every feature): its features of ``stream``, its top features and its
-    reconstruction, with the exchange refusing a tensor left on the CPU."""
-    d_sae = 4 * D
-    blob = save_tensors(
-        {
-            "W_enc": torch.randn(D, d_sae, generator=g) * 0.1,
-            "b_enc": torch.randn(d_sae, generator=g) * 0.01,
-            "W_dec": torch.randn(d_sae, D, generator=g) * 0.1,
-            "b_dec": torch.randn(D, generator=g) * 0.01,
-        }
-    )
-    config = '{"architecture": "topk", "k": 8, "apply_b_dec_to_input": true, '
-    config += '"normalize_activations": "none"}'
+def sae_features(device: torch.device, stream: torch.Tensor) -> dict:
+    """A TopK SAE's slice on the device (`bench/features.random_sae`), as
+    `SAEStore.envoykit_install_sae` unpacks it (one rank holding every feature): its
+    features of ``stream``, its top features and its reconstruction, with the exchange
+    refusing a tensor left on the CPU."""
     key = "gpu-smoke"
-    sae.INSTALLED[key] = sae.unpack(config, blob, 0, 1)
+    sae.INSTALLED[key] = sae.unpack(*random_sae(D, 1, expansion=4, k=8).to_wire(), 0, 1)
     try:
         gather = checked_gather(device)
         encoded = sae.encode(key, stream, gather)

@@ -38,13 +38,18 @@ READ = [name for name, arch in architectures.ARCHITECTURES.items() if _family(ar
 REFUSED = [name for name, arch in architectures.ARCHITECTURES.items() if not _family(arch)]
 
 
+def _parallel(name: str, tp: int = 1) -> bool:
+    """Whether ``name``'s layers run attention and MLP side by side (any TP size)."""
+    return _family(architectures.ARCHITECTURES[name]).parallel
+
+
 class Case:
     """One engine of the matrix: the architecture's name, its engine and the transformers
     reference of its checkpoint."""
 
     def __init__(self, name: str, engine: ek.Engine) -> None:
         self.name, self.engine = name, engine
-        self.parallel = _family(architectures.ARCHITECTURES[name]).parallel
+        self.parallel = _parallel(name)
         self.ref = ref.reference(engine.info.path, PROMPT, OTHER, self.parallel)
 
 
@@ -81,10 +86,6 @@ def test_each_sublayer_site_matches_transformers(case):
     res = case.engine.lens(PROMPT, sites=sites, top_k=5)
     for site in sites:
         ref.assert_lens_matches(res.select(sites=site), case.ref["sites"][site])
-
-
-def _parallel(name: str, tp: int) -> bool:
-    return _family(architectures.ARCHITECTURES[name]).parallel
 
 
 @pytest.mark.applies(to=_parallel)  # a sequential layer has the site

@@ -12,13 +12,11 @@ own device).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save as save_tensors
 
 from envoykit.analyses import attribution, lens
+from envoykit.analyses.sae import SAE
 from envoykit.model.readout import Addition, Cell
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import heads, sae, translators, vocab_parallel
@@ -157,25 +155,19 @@ class TestOnAnotherDevice:
         features, chosen features' activations, decoder rows and reconstruction all stay
         on the stream's device (a TopK SAE's global top-k included: no boolean index)."""
         d_sae = 16
-        blob = save_tensors(
-            {
-                "W_enc": torch.ones(D, d_sae),
-                "b_enc": torch.zeros(d_sae),
-                "W_dec": torch.ones(d_sae, D),
-                "b_dec": torch.zeros(D),
-                "threshold": torch.zeros(d_sae),
-            }
-        )
-        config = json.dumps(
-            {
-                "architecture": architecture,
-                "k": 4,
-                "apply_b_dec_to_input": True,
-                "normalize_activations": "layer_norm",
-            }
-        )
+        wire = SAE(
+            architecture,
+            torch.ones(D, d_sae),
+            torch.zeros(d_sae),
+            torch.ones(d_sae, D),
+            torch.zeros(D),
+            layer=1,
+            threshold=torch.zeros(d_sae) if architecture == "jumprelu" else None,
+            k=4 if architecture == "topk" else None,
+            normalize_activations="layer_norm",
+        ).to_wire()
         key = "device-test"
-        sae.INSTALLED[key] = sae.unpack(config, blob, 1, 2)
+        sae.INSTALLED[key] = sae.unpack(*wire, 1, 2)
         try:
             encoded = sae.encode(key, torch.ones(T, D, device=DEVICE), exchange)
             ids, acts, l0 = sae.top_features(key, encoded, 3, exchange)

@@ -710,11 +710,12 @@ class LensExplorer(ExplorerLayout):
     def _on_pinned(self, _: Any = None) -> None:
         """Pins the lens shown lacks (or an unpinned one it measured) ask for the lens
         again, after a Run in flight (whose request is then the one to follow); any other
-        change of pins is drawn at once."""
+        change of pins is drawn at once. The chips follow a click at once either way."""
+        if self.result is not None:
+            self._show_pins()
         if self.engine is not None and (self.work.busy or self._pins_need_a_lens()):
             self.work.submit(self._follow_pins)
         elif self.result is not None:
-            self._show_pins()
             self._draw_trajectory()
             self._draw_cell()
 

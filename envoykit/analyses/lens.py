@@ -33,8 +33,16 @@ import numpy as np
 import torch
 
 from envoykit.analyses.request import SITES, LensRequest, Row
-from envoykit.analyses.steering import at_step
-from envoykit.model.readout import Addition, Readout, Write, at, normalize, walk, writes_by_layer
+from envoykit.model.readout import (
+    Addition,
+    Readout,
+    Write,
+    at,
+    at_step,
+    normalize,
+    walk,
+    writes_by_layer,
+)
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import fidelity as fidelity_on_ranks
 from envoykit.ranks import vocab_parallel

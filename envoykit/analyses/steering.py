@@ -29,7 +29,7 @@ import torch
 from envoykit.analyses.request import normalise_layers, normalise_prompts
 from envoykit.analyses.sae import SAE, Clamp
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Addition, Cell, Readout, at, walk, writes_by_layer
+from envoykit.model.readout import Addition, Cell, Readout, at, at_step, walk, writes_by_layer
 from envoykit.ranks.sae import SAEEdit
 
 STEER_SITES = ("resid", "resid_mid")
@@ -250,12 +250,6 @@ def _positions(positions: Any, length: int | None) -> tuple[int, ...] | None:
             "the generated tokens)"
         )
     return tuple(sorted({p % length for p in items}))
-
-
-def at_step(additions: Sequence[Addition], step: int) -> list[Addition]:
-    """The additions a generation step makes: all of them in the prompt's own pass (step
-    0), then only those at every position (each later step runs one new token)."""
-    return list(additions) if step == 0 else [a for a in additions if a.positions is None]
 
 
 def steer_in_trace(

@@ -539,3 +539,9 @@ def writes_by_layer(writes: Sequence[Write | Addition]) -> dict[int, list[Write 
     for item in writes:
         layers.setdefault(item.cell.layer, []).append(item)
     return layers
+
+
+def at_step(additions: Sequence[Addition], step: int) -> list[Addition]:
+    """The additions a generation step makes: all of them in the prompt's own pass (step
+    0), then only those at every position (each later step runs one new token)."""
+    return list(additions) if step == 0 else [a for a in additions if a.positions is None]

@@ -21,10 +21,10 @@ import torch
 from features import random_sae
 from safetensors.torch import save as save_tensors
 
-from envoykit.analyses import attribution, lens
+from envoykit.analyses import attribution
 from envoykit.model.readout import Addition, Cell
 from envoykit.model.vocab_shard import VocabShard
-from envoykit.ranks import sae, translators
+from envoykit.ranks import lens, sae, translators
 
 D, VOCAB, T, LAYERS = 64, 1000, 12, 6
 TOLERANCE = 1e-4

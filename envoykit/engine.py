@@ -407,7 +407,7 @@ class Engine(EngineLifetime, EngineSurface):
         """Install a block that makes ``additions`` at every step of every request that
         names it (an nnsight edit), and the trace that names it; it is cleared once that
         trace has run (`EnvoykitVLLM._call`)."""
-        from envoykit.analyses.steering import steer_in_trace
+        from envoykit.analyses.generation import steer_in_trace
         from envoykit.model.envoys import STEER_EDIT
 
         name = f"{STEER_EDIT}{uuid.uuid4().hex[:12]}"

@@ -288,7 +288,7 @@ def test_lens_beyond_memory_is_chunked(demo3):
     freed memory in the heap (``MALLOC_MMAP_MAX_=0``), where the forward's and the lens's
     allocations cannot all reuse each other's space; a rank that has served a lens once
     needs almost nothing more for it (`test_ranks_reuse_their_working_memory`)."""
-    from envoykit.analyses.lens import DEFAULT_MEMORY_BUDGET
+    from envoykit.ranks.lens import DEFAULT_MEMORY_BUDGET
 
     prompt = " ".join(["The capital of France is Paris, and the capital of Italy is Rome."] * 10)
     info = demo3.info

@@ -147,12 +147,12 @@ class TestRequestShapes:
         assert res.top_ids[-1, n_prompt - 1 : -1, 0].tolist() == generated
 
     def test_chunked_lens_equals_one_call(self, tiny2):
-        from envoykit.analyses import lens, request
+        from envoykit.analyses import lens_run, request
 
         info = tiny2.info
         req = request.build_request(tiny2.tokenizer, info.n_layers, info.vocab, 256, PROMPT)
         args = (tiny2.model, tiny2.readout, req, tiny2._result_meta(), tiny2.exclusive)
-        whole = lens.run(*args)[0]
-        one_layer_per_call = lens.run(*args, budget=1)[0]
+        whole = lens_run.run(*args)[0]
+        one_layer_per_call = lens_run.run(*args, budget=1)[0]
         np.testing.assert_array_equal(whole.top_ids, one_layer_per_call.top_ids)
         np.testing.assert_allclose(whole.kl, one_layer_per_call.kl, atol=1e-6)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from envoykit.model.heads import HeadLayout
 from envoykit.model.readout import Readout, at, rank_inputs
 from envoykit.ranks.heads import local_patterns, picked_on_ranks, query_key
 from envoykit.results.attention import AttentionResult
+
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
 
 # The most bytes of weights (and key positions) one request may bring back: beyond it, ask
 # for top_k keys, fewer layers, heads or queries.
@@ -161,3 +164,38 @@ def _top(weights: torch.Tensor, top_k: int | None) -> tuple[torch.Tensor, torch.
 def _every_key(shape: tuple[int, ...]) -> np.ndarray:
     """The key positions of a result that kept every key: 0..T-1 on every row."""
     return np.broadcast_to(np.arange(shape[-1]), shape)
+
+
+def attention(
+    engine: EngineSurface,
+    prompt: str,
+    *,
+    layers: Any = None,
+    heads: Any = None,
+    queries: Any = None,
+    top_k: int | None = None,
+) -> AttentionResult:
+    """Attention patterns of ``prompt``, each computed on the rank that holds its head.
+
+    ``layers``: decoder layers as in `lens` (None: every one; the embedding has none).
+    ``heads``: head numbers over the whole model (None: every head; negatives count from
+    the end). ``queries``: token positions whose patterns are kept (None: every one).
+    ``top_k``: keep only each query's k most attended keys (for long prompts).
+
+    Returns an `AttentionResult` ``[layers, heads, queries, keys]``, equal to the
+    model's own attention weights (transformers' eager ``output_attentions``).
+    """
+    layout = engine.readout.require_heads()
+    info = engine.info
+    req = build_request(
+        engine.tokenizer,
+        layout,
+        info.n_layers,
+        info.max_model_len,
+        prompt,
+        layers=layers,
+        heads=heads,
+        queries=queries,
+        top_k=top_k,
+    )
+    return run(engine.model, engine.readout, req, engine._result_meta(), engine.exclusive)

@@ -21,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from envoykit.analyses import selfcheck
 from envoykit.analyses.request import (
     Target,
     normalise_positions,
@@ -38,6 +39,9 @@ from envoykit.model.heads import HeadLayout
 from envoykit.model.readout import Readout, at, norm_parameters, normalize, walk
 from envoykit.ranks.heads import head_writes
 from envoykit.results.attribution import AttributionResult
+
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
 
 # How a per-head split that would not add up is refused (a post-norm family): the explorer
 # then attributes by layer only.
@@ -277,3 +281,31 @@ def _result(
             "returned_bytes": sum(t.numel() * t.element_size() for t in stats.values()),
         },
     )
+
+
+def attribute(
+    engine: EngineSurface,
+    prompt: str,
+    targets: str | int | Sequence[str | int],
+    *,
+    positions: int | Sequence[int] | None = None,
+    heads: bool = False,
+) -> AttributionResult:
+    """Direct logit attribution: how much the embedding and each layer's attention and
+    MLP write into each target's final logit, at each position (see
+    `envoykit.analyses.attribution`). Targets must be single tokens (strings or ids).
+    ``heads=True`` also splits each layer's attention contribution into its heads,
+    each computed on the rank that holds it (``head_values``).
+
+    Returns an `AttributionResult` whose ``values.sum(0)`` equals its ``logits`` (and
+    whose heads add up to their layer's attention row).
+    """
+    engine.readout.require("attribution")
+    selfcheck.require(engine.info, "attribution")
+    if heads is True:
+        engine.readout.require_heads("per-head attributions")
+    info = engine.info
+    req = build_request(
+        engine.tokenizer, info.vocab, info.max_model_len, prompt, targets, positions, heads
+    )
+    return run(engine.model, engine.readout, req, engine._result_meta(), engine.exclusive)

@@ -13,16 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from envoykit.analyses import corpus, request
 from envoykit.analyses.corpus import Piece, batches, pieces
 from envoykit.analyses.request import Row
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Readout, at, walk
 from envoykit.results.activations import StoreWriter, row_key, text_chain
 from envoykit.results.lens import SITES
+
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
+    from envoykit.results.activations import Activations
 
 STORE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -165,3 +171,120 @@ def run(
         progress.set_postfix(documents=end, refresh=False)
     # Documents with no tokens after the last shard still count as collected.
     writer.finish(corpus.count, corpus.chain)
+
+
+def collect(
+    engine: EngineSurface,
+    texts: Any,
+    *,
+    out: str,
+    layers: Any = None,
+    sites: str | Sequence[str] = ("resid",),
+    positions: Any = None,
+    dtype: str = "bfloat16",
+    max_length: int | None = None,
+    batch_tokens: int = 4096,
+    progress: bool = True,
+) -> Activations:
+    """Save the whole activations of a corpus to the store ``out`` (a directory; see
+    `envoykit.results.activations`), many documents per trace, with a progress bar in
+    tokens/s; returns the store as `Activations`.
+
+    ``texts``: a list or any iterable of documents (read lazily, so memory holds one
+    batch whatever the corpus's size): strings, or lists of token ids taken as they are.
+    ``layers``/``sites``: as in `lens`, one stored row each: the residual stream whole
+    ("resid", "resid_mid", summed as the model adds it) or what a block writes ("attn",
+    "mlp"). ``positions``: None (every token) or positions counted in each piece
+    (negative from its end); a piece without one skips it. ``dtype``: what is stored
+    ("bfloat16", "float16" or "float32"). A document longer than ``max_length``
+    (default: the engine's context) is cut into consecutive pieces, each its own
+    context; ``position`` stays counted from the document's start. ``batch_tokens``:
+    about how many tokens one trace prefills, and one shard holds (whole documents;
+    memory holds one batch).
+
+    Resumable: run it again with the same arguments after an interrupt or a killed
+    kernel, and it continues after the last whole shard. A store of another model,
+    corpus or settings at ``out`` is refused and left as it is. ``progress``: a tqdm bar
+    in tokens/s (True), none (False), or your own bar (`corpus.progress_bar`).
+    """
+    from envoykit.results.activations import Activations, as_rows
+
+    req = build_request(engine, layers, sites, positions, dtype, max_length, batch_tokens)
+    tokenizer, vocab = engine.tokenizer, engine.info.vocab
+    total = corpus.total_tokens(tokenizer, texts, vocab)
+    settings = {
+        "model": engine.fingerprint(),
+        "rows": as_rows(req.rows),
+        "positions": req.positions,
+        "dtype": req.dtype,
+        "max_length": req.max_length,
+    }
+    writer = StoreWriter.open(out, settings)
+    with corpus.progress_bar(progress, "collect", total) as bar:
+        if total is not None and writer.documents_done:  # a rerun: those are done
+            bar.update(corpus.total_tokens(tokenizer, texts[: writer.documents_done], vocab))
+        run(
+            engine.model,
+            engine.readout,
+            tokenizer,
+            corpus.documents(texts),
+            writer,
+            req.rows,
+            req.positions,
+            req.dtype,
+            req.max_length,
+            req.batch_tokens,
+            vocab,
+            engine.exclusive,
+            bar,
+        )
+    return Activations.open(out)
+
+
+@dataclass(frozen=True)
+class CollectRequest:
+    """A checked collection: the stored rows, positions, dtype and corpus cut."""
+
+    rows: tuple[Row, ...]
+    positions: list[int] | None
+    dtype: str
+    max_length: int
+    batch_tokens: int
+
+
+def build_request(
+    engine: EngineSurface,
+    layers: Any,
+    sites: Any,
+    positions: Any,
+    dtype: Any,
+    max_length: Any,
+    batch_tokens: Any,
+) -> CollectRequest:
+    """Every option of `collect` checked against ``engine`` before the corpus is read."""
+    info = engine.info
+    engine.readout.require("collect")
+    rows = request.lens_rows(
+        request.normalise_layers(layers, info.n_layers), request.normalise_sites(sites)
+    )
+    engine._require_sites([site for _, site in rows])
+    if dtype not in STORE_DTYPES:
+        raise InvalidRequest(f"dtype must be one of {STORE_DTYPES}, not {dtype!r}")
+    return CollectRequest(
+        rows=rows,
+        positions=None if positions is None else corpus_positions(positions),
+        dtype=dtype,
+        max_length=corpus.check_max_length(max_length, info.max_model_len),
+        batch_tokens=request.check_count("batch_tokens", batch_tokens, minimum=1),
+    )
+
+
+def corpus_positions(positions: Any) -> list[int]:
+    """Positions of a corpus request: integers counted in each piece (negative from its
+    end), checked here since pieces differ in length."""
+    picked = request.as_list(list(positions) if isinstance(positions, range) else positions)
+    if not picked or any(isinstance(p, bool) or not isinstance(p, int) for p in picked):
+        raise InvalidRequest(
+            f"positions are integers (negative from each document's end), not {positions!r}"
+        )
+    return sorted(set(picked))

@@ -17,25 +17,28 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from envoykit.analyses.lens import DEFAULT_MEMORY_BUDGET, layers_per_call
-from envoykit.analyses.patching import Patch, as_patches, plan_writes, source_writes
+from envoykit.analyses.patching import Patch, as_patches, head_shape, plan_writes, source_writes
 from envoykit.analyses.request import (
     normalise_layers,
     normalise_positions,
     one_prompt,
     single_token_target,
 )
-from envoykit.analyses.steering import Steer, as_steers, plan_additions
+from envoykit.analyses.steering import Steer, as_steers, engine_steers, plan_additions
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Write, at, normalize, walk, writes_by_layer
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import vocab_parallel
+from envoykit.ranks.lens import DEFAULT_MEMORY_BUDGET, layers_per_call
 from envoykit.results.compare import CompareResult
+
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
 
 
 @dataclass(frozen=True)
@@ -160,11 +163,12 @@ def _as_list(value: Any) -> list:
 def _writes(run: Run, ids: list[int]) -> list[Write | Addition]:
     """The patches of ``run``, read from their sources on the run's engine, and its steers."""
     engine, info = run.engine, run.engine.info
-    additions = plan_additions(engine._steers(run.steer), info.n_layers, info.d_model, len(ids))
+    steers = engine_steers(engine, run.steer)
+    additions = plan_additions(steers, info.n_layers, info.d_model, len(ids))
     patches = as_patches(run.patch)
     if not patches:
         return additions
-    plan = plan_writes(engine.tokenizer, patches, ids, info.n_layers, engine._heads(patches))
+    plan = plan_writes(engine.tokenizer, patches, ids, info.n_layers, head_shape(engine, patches))
     return source_writes(engine.model, engine.readout, plan, engine.exclusive) + additions
 
 
@@ -262,3 +266,33 @@ def divergence_statistics(
         for key, value in chunk_stats.items():
             pieces.setdefault(key, []).append(value)
     return {key: torch.cat(values) for key, values in pieces.items()}
+
+
+def compare_prompts(
+    engine: EngineSurface,
+    prompts: Any,
+    layers: Any,
+    positions: Any,
+    targets: Any,
+    sites: Any,
+    patch: Any,
+    dropped: Sequence[str],
+) -> CompareResult:
+    """``engine.lens([a, b], compare=True)``: the `compare` of two plain prompts on one
+    engine. ``dropped``: the lens options given that a comparison has no use for; they are
+    refused, not ignored."""
+    if dropped:
+        raise InvalidRequest(
+            f"compare=True does not take {', '.join(f'{n}=' for n in dropped)}: it compares the "
+            "logit lens of two prompts' own tokens (in float64 on the ranks); run engine.lens "
+            "on each prompt with those options instead"
+        )
+    if not isinstance(prompts, (list, tuple)) or len(prompts) != 2:
+        raise InvalidRequest("compare=True compares two prompts: lens([a, b], compare=True)")
+    if patch is not None or tuple(sites) != ("resid",):
+        raise InvalidRequest(
+            "compare=True compares the residual stream of two plain prompts; for a patched "
+            "run use ek.compare((engine, prompt), (engine, prompt, patch))"
+        )
+    a, b = prompts
+    return compare((engine, a), (engine, b), layers=layers, positions=positions, targets=targets)

@@ -2,7 +2,7 @@
 and how good it is, summed on the ranks.
 
 Each trace prefills a batch of documents (`envoykit.analyses.corpus.batches`). On the ranks,
-every piece goes through the lens's own reduction (`envoykit.analyses.lens.lens_statistics`:
+every piece goes through the lens's own reduction (`envoykit.ranks.lens.lens_statistics`:
 one head GEMM per rank on its vocabulary slice, top-k, entropy and KL to the final layer), and
 then through four sums over its positions, per layer: KL(final ‖ layer), entropy, whether the
 final layer's top-1 is among the layer's top-k, and whether the actual next token is. Only
@@ -14,16 +14,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from envoykit.analyses import corpus, request
 from envoykit.analyses.corpus import Piece, batches, pieces
-from envoykit.analyses.lens import DEFAULT_MEMORY_BUDGET, computed_rows, lens_statistics
+from envoykit.analyses.lens_run import computed_rows
+from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Readout, at, walk
+from envoykit.ranks.lens import DEFAULT_MEMORY_BUDGET, lens_statistics
 from envoykit.ranks.translators import translated
 from envoykit.results.corpus import STATISTICS
+
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.tuned import TunedLens
+    from envoykit.results.corpus import CorpusLensResult
 
 
 def piece_sums(
@@ -106,3 +114,75 @@ def run(
     has_tokens = found_counts[:, 0] > 0
     found_sums = np.array(sums).reshape(-1, len(layers), len(STATISTICS))
     return found_sums[has_tokens], found_counts[has_tokens]
+
+
+def lens_corpus(
+    engine: EngineSurface,
+    texts: Any,
+    *,
+    layers: Any = None,
+    top_k: int = 1,
+    translator: TunedLens | None = None,
+    max_length: int | None = None,
+    batch_tokens: int = 4096,
+    confidence: float = 0.95,
+    n_boot: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+) -> CorpusLensResult:
+    """The logit lens over a corpus: per layer, mean KL(final ‖ layer), mean entropy,
+    top-k agreement with the final layer and top-k accuracy against the actual next
+    token, with bootstrap intervals over documents (`CorpusLensResult`). Many documents
+    per trace; only four sums per layer and document come back from the ranks.
+
+    ``texts``, ``max_length``, ``batch_tokens``: as in `collect`. ``layers``: as in `lens`.
+    ``translator``: a `TunedLens` of this model (the tuned lens's statistics).
+    ``progress``: as in `collect`.
+    """
+    from envoykit.results.corpus import CorpusLensResult
+
+    info = engine.info
+    engine.readout.require("the lens")
+    picked = request.normalise_layers(layers, info.n_layers)
+    top_k = request.check_count("top_k", top_k, minimum=1)
+    if top_k > info.vocab:
+        raise InvalidRequest(f"top_k={top_k} exceeds the vocabulary size ({info.vocab})")
+    n_boot = request.check_count("n_boot", n_boot, minimum=1)
+    if not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
+        raise InvalidRequest(f"confidence lies in (0, 1), not {confidence!r}")
+    length = corpus.check_max_length(max_length, info.max_model_len)
+    batch = request.check_count("batch_tokens", batch_tokens, minimum=1)
+    meta = engine._result_meta()
+    meta.pop("vocab")
+    key = None
+    if translator is not None:
+        key = engine._install_translator(translator)
+        meta.update(lens="tuned", translator=key)
+    total = corpus.total_tokens(engine.tokenizer, texts, info.vocab)
+    with corpus.progress_bar(progress, "corpus lens", total) as bar:
+        sums, counts = run(
+            engine.model,
+            engine.readout,
+            engine.tokenizer,
+            corpus.documents(texts),
+            picked,
+            top_k,
+            key,
+            length,
+            batch,
+            info.vocab,
+            engine.exclusive,
+            bar,
+        )
+    if not len(counts):
+        raise InvalidRequest("the corpus tokenizes to no tokens: its documents are all empty")
+    return CorpusLensResult(
+        layers=picked,
+        top_k=top_k,
+        document_sums=sums,
+        document_counts=counts,
+        confidence=confidence,
+        n_boot=n_boot,
+        seed=seed,
+        meta={"lens": "logit", **meta},
+    )

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from envoykit.model.envoys import gather_ranks
 from envoykit.model.readout import Readout, at, walk
 from envoykit.ranks import feature_stats as on_ranks
 from envoykit.results.feature_stats import ARRAYS, FeatureStats, StatsWriter
+
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
 
 # How often a run's state is written to its store (and once after the first trace).
 CHECKPOINT_SECONDS = 10.0
@@ -264,3 +267,64 @@ def _write(
         "meta": meta,
     }
     writer.write(running.arrays, progress)
+
+
+def feature_stats(
+    engine: EngineSurface,
+    texts: Any,
+    sae: SAE,
+    *,
+    contexts: int = 20,
+    window: int = 16,
+    out: str | None = None,
+    max_length: int | None = None,
+    batch_tokens: int = 4096,
+    progress: bool = True,
+) -> FeatureStats:
+    """Every feature of ``sae`` over a corpus: firing frequency, mean and maximum
+    activation, a histogram, and its ``contexts`` max-activating contexts (a window of
+    ``window`` tokens each, the feature's activation at every one), reduced on the ranks
+    (see `envoykit.analyses.feature_stats`). Returns a `FeatureStats`.
+
+    ``texts``, ``max_length``, ``batch_tokens``, ``progress``: as in `collect`. ``out``:
+    a directory to keep the statistics in (`ek.FeatureStats.open` reads it back), written
+    as the run goes; run the same call again after an interrupt and it continues.
+    """
+    from envoykit.analyses import corpus
+
+    info = engine.info
+    req = build_request(
+        info,
+        sae,
+        contexts=contexts,
+        window=window,
+        max_length=max_length,
+        batch_tokens=batch_tokens,
+    )
+    engine._require_sae(req.sae)
+    total = corpus.total_tokens(engine.tokenizer, texts, info.vocab)
+    meta = {**engine._result_meta(), "sae": req.sae.describe()}
+    meta.pop("vocab")
+    settings = {
+        "model": engine.fingerprint(),
+        "sae": req.sae.key,
+        "contexts": req.contexts,
+        "window": req.window,
+        "max_length": req.max_length,
+    }
+    writer = None if out is None else StatsWriter.open(out, settings)
+    with corpus.progress_bar(progress, "feature stats", total) as bar:
+        if total is not None and writer is not None and writer.index["tokens"]:
+            bar.update(writer.index["tokens"])
+        return run(
+            engine.model,
+            engine.readout,
+            engine.tokenizer,
+            corpus.documents(texts),
+            req,
+            info.vocab,
+            meta,
+            writer,
+            engine.exclusive,
+            bar,
+        )

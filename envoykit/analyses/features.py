@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from envoykit.analyses import selfcheck
 from envoykit.analyses.request import check_count, normalise_prompts, one_prompt
 from envoykit.analyses.sae import SAE, InstalledSAEs, as_saes
 from envoykit.errors import InvalidRequest
@@ -26,6 +27,9 @@ from envoykit.results.features import (
     FeatureLogitsResult,
     FeatureResult,
 )
+
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
 
 # The order `walk` returns a layer's rows in.
 _WALK_ORDER = ("attn", "resid_mid", "mlp", "resid")
@@ -310,4 +314,77 @@ def logit_effects(
         bottom_tokens=tokens(found["bottom_ids"]),
         bottom_logits=found["bottom_logits"].numpy(),
         meta={**{k: v for k, v in meta.items() if k != "vocab"}, "sae": sae.describe()},
+    )
+
+
+def features(
+    engine: EngineSurface,
+    prompt: str | Sequence[str],
+    sae: SAE | Sequence[SAE],
+    *,
+    top_k: int = 16,
+    features: Any = None,
+) -> Any:
+    """SAE features of ``prompt``, each rank encoding its own slice of the features (see
+    `envoykit.analyses.features`). ``sae``: an `ek.SAE` or a list of them (read in one
+    trace). ``top_k``: features kept per token. ``features``: ids (of one SAE) whose
+    activation at every token is returned too (`FeatureResult.activation`).
+
+    Returns a `FeatureResult` (a list of them for a list of SAEs; for a list of prompts,
+    a list of those).
+    """
+    engine.readout.require("SAE features")
+    req = build_request(engine.tokenizer, engine.info, prompt, sae, top_k=top_k, features=features)
+    engine._require_sites([item.site for item in req.saes])
+    for item in req.saes:
+        engine._install_sae(item)
+    found = run(engine.model, engine.readout, req, engine._result_meta(), engine.exclusive)
+    per_prompt = [items if isinstance(sae, (list, tuple)) else items[0] for items in found]
+    return per_prompt if isinstance(prompt, (list, tuple)) else per_prompt[0]
+
+
+def attribute_features(
+    engine: EngineSurface,
+    prompt: str,
+    sae: SAE,
+    targets: str | int | Sequence[str | int],
+    *,
+    positions: int | Sequence[int] | None = None,
+    top_k: int = 10,
+) -> FeatureAttributionResult:
+    """Each SAE feature's direct effect on the targets' logits: its activation times
+    its decoder row, through the final norm frozen on the final stream (as `attribute`
+    does). Returns a `FeatureAttributionResult` of the ``top_k`` features by absolute
+    effect per position and target, whose features, error and decoder bias add up to
+    the effect of the SAE's site itself."""
+    engine.readout.require("feature attribution")
+    selfcheck.require(engine.info, "attribution")
+    req = build_attribution_request(
+        engine.tokenizer, engine.info, prompt, sae, targets, positions=positions, top_k=top_k
+    )
+    engine._require_sae(req.sae)
+    return attribute(engine.model, engine.readout, req, engine._result_meta(), engine.exclusive)
+
+
+def feature_logits(
+    engine: EngineSurface, sae: SAE, features: int | Sequence[int], *, k: int = 10
+) -> FeatureLogitsResult:
+    """The ``k`` tokens each feature's decoder direction raises and lowers most (its
+    logit effects), computed on the ranks against their vocabulary slices: a
+    `FeatureLogitsResult`."""
+    (sae,) = as_saes(sae)
+    many = isinstance(features, (list, tuple, range)) or hasattr(features, "__array__")
+    ids = [sae.check_feature(f) for f in (features if many else [features])]
+    if not ids:
+        raise InvalidRequest("feature_logits needs at least one feature id")
+    k = check_count("k", k, 1)
+    engine._require_sae(sae)
+    return logit_effects(
+        engine.model,
+        engine.readout,
+        sae,
+        ids,
+        min(k, engine.info.vocab),
+        engine._result_meta(),
+        engine.exclusive,
     )

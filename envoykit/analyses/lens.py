@@ -23,345 +23,205 @@ saved. Full-vocabulary logits are never gathered, let alone sent back.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+import dataclasses
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from envoykit.analyses.request import SITES, LensRequest, Row
+from envoykit.analyses import lens_run, request
+from envoykit.analyses.compare import compare_prompts
+from envoykit.analyses.patching import PatchPlan, as_patches, plan_for, source_writes
+from envoykit.analyses.request import LensRequest
+from envoykit.analyses.steering import (
+    as_list_of,
+    engine_steers,
+    plan_additions,
+    plan_splice,
+    split_clamps,
+)
+from envoykit.errors import Cancelled, InvalidRequest
 from envoykit.model.readout import (
     Addition,
-    Readout,
-    Write,
-    at,
-    at_step,
-    normalize,
-    walk,
     writes_by_layer,
 )
-from envoykit.model.vocab_shard import VocabShard
-from envoykit.ranks import fidelity as fidelity_on_ranks
-from envoykit.ranks import vocab_parallel
-from envoykit.ranks.cancel import stop_if_cancelled
-from envoykit.ranks.translators import translated
+from envoykit.ranks.cancel import is_cancellation
+from envoykit.ranks.sae import SAEEdit
 from envoykit.results.lens import LensResult
 
-# A rank's slice of the float32 logits (and what is computed from them) per unembedding call
-# stays under this.
-DEFAULT_MEMORY_BUDGET = 256 * 2**20
+if TYPE_CHECKING:
+    from envoykit.analyses.patching import Ablate, Patch
+    from envoykit.analyses.sae import SAE
+    from envoykit.analyses.steering import Steer
+    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.tuned import TunedLens
 
 
-def lens_statistics(
-    norm: Any,
-    shard: VocabShard,
-    streams: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
-    positions: torch.Tensor | None,
-    top_k: int,
-    targets: Sequence[int],
-    dtype: torch.dtype = torch.float32,
-    budget: int = DEFAULT_MEMORY_BUDGET,
-    cancel: str | None = None,
-) -> dict[str, torch.Tensor]:
-    """Reduce the lens of ``streams`` (one ``(hidden, residual)`` per row) on this rank.
+def lens(
+    engine: EngineSurface,
+    prompt: str | list[str],
+    *,
+    layers: Any = None,
+    positions: Any = None,
+    top_k: int = 10,
+    targets: Any = (),
+    generate: int = 0,
+    sites: str | Sequence[str] = ("resid",),
+    reduce_dtype: str = "float32",
+    patch: Patch | Ablate | Sequence[Patch | Ablate] | None = None,
+    compare: bool = False,
+    translator: TunedLens | None = None,
+    steer: Steer | Sequence[Steer] | None = None,
+    splice: SAE | None = None,
+    keep_error: bool = False,
+) -> Any:
+    """Logit lens of ``prompt`` in one forward pass, reduced on the ranks.
 
-    A row without a residual is a lone vector, normalised by itself. The last stream is the
-    final layer: KL is measured against its distribution. Each rank reduces only its own
-    slice of the vocabulary (``shard``, see `vocab_parallel`) and the ranks combine small
-    per-cell summaries, so every rank returns the same statistics of the whole vocabulary.
-    Returns tensors on the streams' device (the trace moves them to the host as it saves
-    them): ``top_ids``/``top_probs`` ``[layers, positions, k]``,
-    ``entropy``/``kl`` ``[layers, positions]``, ``target_probs``/``target_ranks``
-    ``[layers, positions, targets]`` (rank 0 = the most likely token). ``cancel``: the
-    lens's cancel key, looked for before each chunk (`envoykit.ranks.cancel`).
+    ``layers``: None/"all" (decoder layers 1..n), numbers (negative from the end), a
+    range, and/or "embed" (layer 0). ``sites``: any of "resid" (after the layer),
+    "resid_mid" (between its attention and MLP), "attn" and "mlp" (what that block
+    writes, normalised on its own: see `envoykit.analyses.lens`); one row per layer and site.
+    ``targets``: strings (their first token) or token ids. ``generate=N`` also lenses
+    the N greedily generated tokens. ``reduce_dtype``: precision of the reductions on
+    the ranks ("float32", or "float64"). A list of prompts gives a list of results
+    (one trace). ``patch``: an `ek.Patch`, an `ek.Ablate` (a head removed) or a list of
+    them; the result is the lens of the patched run (see `envoykit.analyses.patching`),
+    and its ``meta["patches"]`` says so.
+    ``compare=True`` with two prompts gives their `CompareResult` (`envoykit.analyses.compare`).
+    ``translator``: a `TunedLens` of this model; the residual-stream rows go through its
+    translators on the ranks (a tuned lens), and ``meta["lens"]`` says "tuned".
+    ``steer``: an `ek.Steer` or a list of them (they add up); the lens is that of the
+    steered run (with ``generate=N``, of the steered generation), ``meta["steer"]`` says so.
+    An `ek.Clamp` (SAE features set to values) is accepted as a ``patch`` or a ``steer``.
+    ``splice``: an `ek.SAE` of a residual-stream site; the model runs with the SAE's
+    reconstruction in place of the stream there, at every position and step (with
+    ``keep_error``, plus the SAE's error), and ``meta["splice"]`` says so.
+
+    Returns a `LensResult` (a list of them for a list of prompts).
     """
-    rows = [normalize(norm, value, residual) for value, residual in streams]
-    device = rows[0].device
-    if positions is not None:
-        rows = [row[positions.to(device)] for row in rows]
-    # Each exchange is a collective: every rank must make the same calls, so chunks are sized
-    # by the largest slice (slices differ by the vocabulary's padding), not by this rank's.
-    largest = shard.largest
-    n_pos = rows[0].shape[0]
-    span = positions_per_call(largest, budget)
-    blocks = [
-        _reduce_positions(
-            shard,
-            [row[start : start + span] for row in rows],
-            top_k,
-            targets,
-            dtype,
-            budget,
-            largest,
-            cancel,
-        )
-        for start in range(0, n_pos, span)
-    ]
-    return {key: torch.cat([block[key] for block in blocks], dim=1) for key in blocks[0]}
-
-
-def _reduce_positions(
-    shard: VocabShard,
-    rows: list[torch.Tensor],
-    top_k: int,
-    targets: Sequence[int],
-    dtype: torch.dtype,
-    budget: int,
-    largest: int,
-    cancel: str | None,
-) -> dict[str, torch.Tensor]:
-    """`lens_statistics` of one block of positions: layers in chunks that fit ``budget``."""
-    n_pos = rows[0].shape[0]
-    per_call = layers_per_call(n_pos, largest, budget)
-    # The final layer's chunk goes first: every chunk needs its distribution for KL.
-    chunks = [rows[max(0, end - per_call) : end] for end in range(len(rows), 0, -per_call)]
-    final_logp = final_probs = None
-    pieces: list[dict[str, torch.Tensor]] = []
-    for chunk in chunks:
-        stop_if_cancelled(shard, cancel, chunk[0].device)
-        logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
-        largest_logit, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
-            shard, logits, top_k, targets
-        )
-        # This rank's slice of the log-probs, in place: (logit - largest) - log_sum.
-        logp = logits.sub_(largest_logit.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
-        if final_logp is None:
-            final_logp = logp[-1].clone()
-            final_probs = final_logp.exp()
-        entropy, kl, ranks = vocab_parallel.sums(
-            shard, logp, (final_logp, final_probs), target_logp
-        )
-        # 32-bit throughout: what crosses to the client is 4 bytes per number.
-        pieces.append(
-            {
-                "top_ids": top_ids.int(),
-                "top_probs": top_logp.exp().float(),
-                "entropy": entropy.float(),
-                "kl": kl.float(),
-                "target_probs": target_logp.exp().float(),
-                "target_ranks": ranks.int(),
-            }
-        )
-        # This chunk's logits go before the next chunk's exist: held across the next head
-        # call, they added a chunk to the peak (a second long demo lens at TP=3: a rank's
-        # peak rose up to 169 MiB above its start with them, up to 84 MiB without).
-        del logits, logp
-    pieces.reverse()
-    return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
-
-
-def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
-    """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice), and
-    the two temporaries of their size the reductions make, fit ``budget`` bytes."""
-    return max(1, math.floor(budget / max(1, n_pos * vocab * 4 * 3)))
-
-
-def positions_per_call(vocab: int, budget: int) -> int:
-    """Positions per block so that one layer of them fits ``budget`` as in `layers_per_call`:
-    past that, a long prompt's single layer would outgrow the budget with its length."""
-    return layers_per_call(1, vocab, budget)
-
-
-def run(
-    model: Any,
-    readout: Readout,
-    request: LensRequest,
-    meta: dict[str, Any],
-    guard: Callable[[], AbstractContextManager],
-    budget: int = DEFAULT_MEMORY_BUDGET,
-    writes: Sequence[Write] = (),
-    translator: str | None = None,
-    additions: Sequence[Addition] = (),
-    cancel: str | None = None,
-    fidelity: Fidelity | None = None,
-) -> list[LensResult]:
-    """Run ``request`` on ``model`` (an envoy tree) in one trace, one invoke per prompt, the
-    whole trace under ``guard`` (the engine's: nnsight cannot build two traces on one model
-    from two threads at once).
-
-    ``writes`` (see `envoykit.analyses.patching`) are written into the prompt's forward pass before
-    anything downstream of them is read: the lens is that of the patched run. ``translator``
-    names tuned-lens translators installed on the ranks (`envoykit.ranks.translators`): every
-    residual-stream row but the last layer's goes through them before the final norm.
-    ``additions`` (steering, `envoykit.analyses.steering`) go into the prompt's pass and,
-    those at every position, into each generated token's. ``cancel``: the key that stops
-    this lens on the ranks when its flag goes up (`envoykit.ranks.cancel`). ``fidelity``: the
-    lens of one spliced prompt, measured against the plain run of the same prompt in an
-    invoke of its own before it (`Fidelity`); ``meta["splice"]`` gets the KL and the
-    cross-entropies per position.
-
-    With ``generate=N`` the trace runs N+1 steps: the prompt's prefill, then each generated
-    token as it is fed back, so every position in the result is an input token and its lens
-    shows what the model predicts next there. ``meta`` (model name, TP size, dtype) is
-    recorded in every result.
-    """
-    import nnsight
-
-    rows = computed_rows(request.rows, readout.n_layers)
-    reads = dict(_sites_by_layer(rows))
-    first_step = writes_by_layer([*writes, *additions])
-    later_steps = writes_by_layer(at_step(additions, 1))
-    layer_list = at(model, readout.layers)
-    norm = at(model, readout.final_norm)
-    head = at(model, readout.unembedding)
-    positions = None if request.positions is None else torch.tensor(request.positions)
-    target_ids = [t.token_id for t in request.targets]
-    reduce_dtype = getattr(torch, request.reduce_dtype)
-    top_k, steps_wanted = request.top_k, request.generate + 1
-    with guard(), model.trace(temperature=0.0, max_tokens=steps_wanted) as tracer:
-        if fidelity is not None:
-            # The plain run first: vLLM takes the trace's requests in order, and within one
-            # step the invokes' code runs in order, so the ranks hold its distribution when
-            # the spliced invoke compares with it.
-            with tracer.invoke(request.prompts[0], max_tokens=1):
-                plain = walk(readout, layer_list, {readout.n_layers: {"resid"}}, fidelity.plain)
-                # (the unembedding reached from ``model`` inside this invoke: an envoy
-                # shipped without the tree above it has no root to find the logits
-                # processor by)
-                plain_shard = at(model, readout.unembedding).vocab_shard()
-                final = fidelity_on_ranks.final_logp(norm, plain_shard, plain[-1])
-                fidelity_on_ranks.remember(fidelity.key, final)
-        for prompt in request.prompts:
-            with tracer.invoke(prompt):
-                shard = head.vocab_shard()
-                steps = nnsight.save([])
-                samples = nnsight.save([])
-                for step in tracer.iter[:steps_wanted]:
-                    # Patches go into the prompt's own forward pass, the first step.
-                    here = first_step if step == 0 else later_steps
-                    streams = walk(readout, layer_list, reads, here)
-                    if translator is not None:
-                        streams = translated(streams, rows, translator, readout.n_layers)
-                    stats = lens_statistics(
-                        norm,
-                        shard,
-                        streams,
-                        positions if step == 0 else None,
-                        top_k,
-                        target_ids,
-                        reduce_dtype,
-                        budget,
-                        cancel,
-                    )
-                    if step == 0 and fidelity is not None:
-                        final = fidelity_on_ranks.final_logp(norm, shard, streams[-1])
-                        found = fidelity_on_ranks.compare(
-                            shard, fidelity.key, final, fidelity.next_ids
-                        )
-                        stats = {**stats, **{f"fidelity.{k}": v for k, v in found.items()}}
-                    steps.append({key: value.cpu() for key, value in stats.items()})
-                    samples.append(model.samples.cpu())
-    if len(request.prompts) == 1:
-        steps, samples = [steps], [samples]
-    if fidelity is not None:
-        first = steps[0][0]
-        meta = {**meta, "splice": {**meta["splice"], **splice_fidelity(first)}}
-        steps[0][0] = {k: v for k, v in first.items() if not k.startswith("fidelity.")}
-    return [
-        _assemble(model.tokenizer, request, meta, i, prompt_steps, prompt_samples, rows)
-        for i, (prompt_steps, prompt_samples) in enumerate(zip(steps, samples))
-    ]
+    if compare:
+        given = {
+            "translator": translator is not None,
+            "generate": generate != 0,
+            "reduce_dtype": reduce_dtype != "float32",
+            "steer": steer is not None,
+            "splice": splice is not None,
+            "top_k": top_k != 10,  # (each cell's top-1 of both runs: statistics of no top-k)
+        }
+        dropped = [name for name, was_given in given.items() if was_given]
+        return compare_prompts(engine, prompt, layers, positions, targets, sites, patch, dropped)
+    req = request.build_request(
+        engine.tokenizer,
+        engine.info.n_layers,
+        engine.info.vocab,
+        engine.info.max_model_len,
+        prompt,
+        layers=layers,
+        positions=positions,
+        top_k=top_k,
+        targets=targets,
+        generate=generate,
+        sites=sites,
+        reduce_dtype=reduce_dtype,
+    )
+    plan = build_plan(engine, req, patch, translator, steer, splice, keep_error)
+    results = _run_cancellable(engine, plan)
+    return results if isinstance(prompt, (list, tuple)) else results[0]
 
 
 @dataclass(frozen=True)
-class Fidelity:
-    """A splice lens's comparison with the plain model: ``key`` names the plain run's
-    distribution on the ranks, ``next_ids`` the next token at each prompt position (-1 at
-    the last), ``plain`` the writes the plain run shares with the spliced one (all but the
-    splice), by layer."""
+class LensPlan:
+    """A lens checked whole before its trace: the request, where its patches write, its
+    steers' additions, the translators' key on the ranks, a splice's edit and the meta."""
 
-    key: str
-    next_ids: tuple[int, ...]
-    plain: dict[int, list[Write | Addition]]
-
-
-def splice_fidelity(stats: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """What a spliced lens records of its distance from the plain run, per prompt position:
-    ``kl`` (plain || spliced), the next token's cross-entropy under each (``ce_plain``,
-    ``ce_spliced``; the last position has no next token), and their mean difference
-    ``ce_increase`` (nats)."""
-    found = {
-        key.removeprefix("fidelity."): v for key, v in stats.items() if key.startswith("fidelity.")
-    }
-    plain, spliced = found["ce_plain"].double(), found["ce_spliced"].double()
-    known = ~torch.isnan(plain)
-    increase = float((spliced[known] - plain[known]).mean()) if bool(known.any()) else float("nan")
-    return {
-        "kl": [float(v) for v in found["kl"]],
-        "ce_plain": [None if torch.isnan(v) else float(v) for v in plain],
-        "ce_spliced": [None if torch.isnan(v) else float(v) for v in spliced],
-        "ce_increase": increase,
-    }
+    req: LensRequest
+    patches: PatchPlan
+    additions: tuple[Addition | SAEEdit, ...]
+    translator: str | None
+    splice: SAEEdit | None
+    meta: dict[str, Any]
 
 
-def computed_rows(rows: Sequence[Row], n_layers: int) -> list[Row]:
-    """The rows a trace computes, in the order the model produces them: the picked ones plus
-    the final layer's stream (KL is measured against it), which therefore comes last."""
-    return sorted({*rows, (n_layers, "resid")}, key=lambda row: (row[0], SITES.index(row[1])))
+def build_plan(
+    engine: EngineSurface,
+    req: LensRequest,
+    patch: Any,
+    translator: TunedLens | None,
+    steer: Any,
+    splice: SAE | None,
+    keep_error: bool,
+) -> LensPlan:
+    """Everything a lens's options ask of ``engine``, checked (and SAEs and translators
+    installed on the ranks) before the trace: a refusal never leaves half a lens run."""
+    clamps, patch = split_clamps(patch)
+    patches = as_patches(patch)
+    plan = plan_for(engine, req, patches)
+    engine.readout.require("the lens")
+    engine._require_sites([site for _, site in req.rows] + [p.site for p in patches])
+    meta = engine._result_meta()
+    key = None if translator is None else _translator_key(engine, req, translator)
+    if key is not None:
+        meta.update(lens="tuned", translator=key)
+    if patches:
+        meta["patches"] = [dataclasses.asdict(p) for p in patches]
+    steers = engine_steers(engine, [*as_list_of(steer), *clamps])
+    if steers and len(req.prompts) != 1:
+        raise InvalidRequest("a steer goes into one prompt, not a list of them")
+    info = engine.info
+    additions = plan_additions(steers, info.n_layers, info.d_model, len(req.prompt_ids[0]))
+    if additions:
+        meta["steer"] = [item.describe() for item in steers]
+    edit = None
+    if splice is not None:
+        if len(req.prompts) != 1:
+            raise InvalidRequest("a splice lens runs one prompt, not a list of them")
+        edit = plan_splice(splice, info.n_layers, keep_error)
+        engine._require_sae(splice)
+        meta["splice"] = {**splice.describe(), "keep_error": keep_error}
+    return LensPlan(req, plan, tuple(additions), key, edit, meta)
 
 
-def _sites_by_layer(rows: list[Row]) -> list[tuple[int, set[str]]]:
-    layers: dict[int, set[str]] = {}
-    for layer, site in rows:
-        layers.setdefault(layer, set()).add(site)
-    return sorted(layers.items())
-
-
-def _assemble(
-    tokenizer: Any,
-    request: LensRequest,
-    meta: dict[str, Any],
-    index: int,
-    steps: list[dict[str, torch.Tensor]],
-    samples: list[torch.Tensor],
-    computed: list[Row],
-) -> LensResult:
-    """Join the steps along positions, drop the unpicked final layer, label everything."""
-    stats = {key: torch.cat([step[key] for step in steps], dim=1).numpy() for key in steps[0]}
-    keep = [computed.index(row) for row in request.rows]
-    stats = {key: value[keep] for key, value in stats.items()}
-    prompt_ids = list(request.prompt_ids[index])
-    # The tokens fed back: a generation that stops early (an end-of-sequence token) ran
-    # no step for its last sample, so the lens has no position for it.
-    generated = [int(s.flatten()[0]) for s in samples[: min(request.generate, len(steps) - 1)]]
-    prompt_positions = (
-        list(range(len(prompt_ids))) if request.positions is None else list(request.positions)
-    )
-    positions = prompt_positions + [len(prompt_ids) + i for i in range(len(generated))]
-    all_ids = prompt_ids + generated
-    if stats["entropy"].shape[1] != len(positions):
-        raise RuntimeError(
-            f"the ranks returned {stats['entropy'].shape[1]} positions, expected {len(positions)}: "
-            "the engine tokenized the prompt differently from its tokenizer"
+def _translator_key(engine: EngineSurface, req: LensRequest, translator: TunedLens) -> str:
+    """The key of ``translator`` installed on the ranks, for a request of stream rows."""
+    if any(site != "resid" for _, site in req.rows):
+        raise InvalidRequest(
+            "tuned-lens translators are trained for the residual stream after each "
+            "layer: use sites=('resid',) with a translator"
         )
-    token_ids = np.array([all_ids[p] for p in positions])
-    top_ids = stats["top_ids"]
-    decoded = {int(i): tokenizer.decode([int(i)]) for i in np.unique(top_ids)}
-    top_tokens = np.vectorize(lambda i: decoded[int(i)], otypes=[object])(top_ids)
-    return LensResult(
-        prompt=request.prompts[index],
-        token_ids=token_ids,
-        tokens=tuple(tokenizer.decode([int(i)]) for i in token_ids),
-        positions=np.array(positions),
-        layers=np.array([layer for layer, _ in request.rows]),
-        sites=tuple(site for _, site in request.rows),
-        top_ids=top_ids.astype(np.int64),
-        top_tokens=top_tokens,
-        top_probs=stats["top_probs"].astype(np.float32),
-        entropy=stats["entropy"].astype(np.float32),
-        kl=stats["kl"].astype(np.float32),
-        target_ids=np.array([t.token_id for t in request.targets], dtype=np.int64),
-        target_labels=tuple(t.label for t in request.targets),
-        target_tokens=tuple(t.token for t in request.targets),
-        target_probs=stats["target_probs"].astype(np.float32),
-        target_ranks=stats["target_ranks"].astype(np.int64),
-        n_generated=len(generated),
-        meta={
-            "lens": "logit",
-            **{key: value for key, value in meta.items() if key != "vocab"},
-            "returned_bytes": sum(t.numel() * t.element_size() for s in steps for t in s.values()),
-        },
-    )
+    return engine._install_translator(translator)
+
+
+def _run_cancellable(engine: EngineSurface, plan: LensPlan) -> list[LensResult]:
+    """`run` of ``plan``, registered before its sources are read so that a cancel heard
+    meanwhile stops the lens at its first chunk."""
+    model, readout, guard = engine.model, engine.readout, engine.exclusive
+    in_flight = engine._lenses_in_flight
+    with in_flight.lens() as cancel:
+        writes = source_writes(model, readout, plan.patches, guard)
+        additions, fidelity = list(plan.additions), None
+        if plan.splice is not None:
+            plain = writes_by_layer([*writes, *additions])
+            fidelity = lens_run.Fidelity(uuid.uuid4().hex, (*plan.req.prompt_ids[0][1:], -1), plain)
+            additions.append(plan.splice)
+        try:
+            return lens_run.run(
+                model,
+                readout,
+                plan.req,
+                plan.meta,
+                in_flight.guard(cancel, guard),
+                writes=writes,
+                translator=plan.translator,
+                additions=additions,
+                cancel=cancel,
+                fidelity=fidelity,
+            )
+        except Exception as error:
+            if is_cancellation(error, cancel):
+                raise Cancelled(
+                    "the lens was cancelled (engine.cancel()); the engine is ready for the "
+                    "next request"
+                ) from None
+            raise
+        finally:
+            engine._lower_cancel_flag(cancel)

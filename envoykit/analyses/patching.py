@@ -30,13 +30,23 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from envoykit.analyses.request import SITES, check_head, normalise_layers, normalise_prompts
+from envoykit.analyses.request import (
+    SITES,
+    check_head,
+    normalise_layers,
+    normalise_prompts,
+    token_ids,
+)
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Cell, Readout, Write, at, walk, writes_by_layer
+
+if TYPE_CHECKING:
+    from envoykit.analyses.request import LensRequest
+    from envoykit.analyses.surface import EngineSurface
 
 
 @dataclass(frozen=True)
@@ -137,7 +147,7 @@ def plan_writes(
             direct.append(_ablation(patch, n_layers, len(target_ids), n_heads, size))
             continue
         (source,) = normalise_prompts(patch.source)
-        n_source = len(tokenizer(source)["input_ids"])
+        n_source = len(token_ids(tokenizer, source))
         src = check_cell(
             patch.layer, patch.site, patch.source_position, n_layers, n_source, "source"
         )
@@ -254,3 +264,21 @@ def metric_of_runs(
                 value = nnsight.save(next_token_metric(model.logits, metric, target_id, other_id))
     values = value if len(runs) > 1 else [value]
     return [float(v) for v in values]
+
+
+def plan_for(engine: EngineSurface, req: LensRequest, patches: list[Patch | Ablate]) -> PatchPlan:
+    """Where each patch writes in the one prompt of ``req`` (`plan_writes`), on ``engine``."""
+    if len(req.prompts) != 1 and patches:
+        raise InvalidRequest("a patch goes into one target prompt, not a list of them")
+    ids = req.prompt_ids[0] if patches else ()
+    info = engine.info
+    return plan_writes(engine.tokenizer, patches, ids, info.n_layers, head_shape(engine, patches))
+
+
+def head_shape(engine: EngineSurface, patches: Sequence[Patch | Ablate]) -> tuple[int, int] | None:
+    """The model's (heads, head size) when a patch names a head; refused where its heads
+    cannot be read."""
+    if not any(p.site == "head" for p in patches):
+        return None
+    layout = engine.readout.require_heads("head patching and ablation")
+    return layout.n_heads, layout.head_size

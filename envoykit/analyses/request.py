@@ -60,7 +60,7 @@ def build_request(
 ) -> LensRequest:
     prompts = normalise_prompts(prompt)
     generate = check_count("generate", generate, minimum=0)
-    prompt_ids = tuple(tuple(tokenizer(p)["input_ids"]) for p in prompts)
+    prompt_ids = tuple(token_ids(tokenizer, p) for p in prompts)
     for text, ids in zip(prompts, prompt_ids):
         if not ids:
             raise InvalidRequest(f"prompt {text!r} tokenizes to no tokens")
@@ -96,14 +96,22 @@ def one_prompt(
     if not isinstance(prompt, str):
         raise InvalidRequest(f"{what} takes one prompt (a string), not {type(prompt).__name__}")
     (prompt,) = normalise_prompts(prompt)
-    ids = tuple(tokenizer(prompt)["input_ids"])
+    ids = token_ids(tokenizer, prompt, max_model_len)
     if not ids:
         raise InvalidRequest(f"prompt {prompt!r} tokenizes to no tokens")
-    if len(ids) > max_model_len:
+    return prompt, ids
+
+
+def token_ids(tokenizer: Any, text: str, max_model_len: int | None = None) -> tuple[int, ...]:
+    """``text``'s token ids as the engine runs them (special tokens added as vLLM adds
+    them), the one place a prompt is tokenized; with ``max_model_len``, refused past it
+    here rather than by vLLM mid-trace."""
+    ids = tuple(tokenizer(text)["input_ids"])
+    if max_model_len is not None and len(ids) > max_model_len:
         raise InvalidRequest(
             f"prompt of {len(ids)} tokens exceeds the engine's max_model_len={max_model_len}"
         )
-    return prompt, ids
+    return ids
 
 
 def check_head(head: Any, n_heads: int, what: str) -> int:

@@ -7,34 +7,33 @@ family as every patch: the stream is whole on every rank at any TP size (a pair 
 ``hidden + residual`` included), so each rank adds the same vector to the same numbers and
 the ranks stay alike with no exchange at all.
 
-`mean_difference` builds a vector the usual way (ActAdd, CAA): the mean of the stream at one
-position over a list of positive prompts minus the mean over negative ones, many prompts per
-trace; each prompt sends back its ``d_model`` numbers and nothing else. `generated_ids` runs
-steered greedy generations, one invoke per run, so a sweep of strengths
-(`Engine.steer_sweep`) is one trace whose runs share every step.
+A vector is built by `envoykit.analyses.steering_vector`, steered generations run in
+`envoykit.analyses.generation`, and a sweep of strengths in `envoykit.analyses.steer_sweep`;
+this module checks steers and turns them into additions, for every analysis that takes
+``steer=``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from envoykit.analyses.request import normalise_layers, normalise_prompts
+from envoykit.analyses.request import normalise_layers
 from envoykit.analyses.sae import SAE, Clamp
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Addition, Cell, Readout, at, at_step, walk, writes_by_layer
+from envoykit.model.readout import Addition, Cell
 from envoykit.ranks.sae import SAEEdit
+from envoykit.results.identity import check_same_model
+
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
 
 STEER_SITES = ("resid", "resid_mid")
-# Prompts per trace of `mean_difference`: vLLM batches each trace's prompts into its steps.
-_PROMPTS_PER_TRACE = 32
 
 
 @dataclass(frozen=True, eq=False)
@@ -252,148 +251,41 @@ def _positions(positions: Any, length: int | None) -> tuple[int, ...] | None:
     return tuple(sorted({p % length for p in items}))
 
 
-def steer_in_trace(
-    model: Any, readout: Readout, additions: Sequence[Addition], tracer: Any
-) -> None:
-    """The body of a block that steers every step of whatever it runs in (an installed
-    edit, see `Engine.trace`)."""
-    layer_list = at(model, readout.layers)
-    for _ in tracer.iter[:]:
-        walk(readout, layer_list, {}, writes_by_layer(additions))
+def engine_steers(engine: EngineSurface, steer: Any) -> list[Steer | Clamp]:
+    """``steer`` as a list, each checked against ``engine``'s model: a `SteeringVector` must
+    be of this model, a clamp's SAE is installed on the ranks, every site must be readable."""
+    steers = as_steers(steer)
+    for item in steers:
+        if isinstance(item, Clamp):
+            engine._require_sae(item.sae)
+            continue
+        model = getattr(item.vector, "model", None)
+        if model is not None:
+            check_same_model(
+                dict(model),
+                engine.fingerprint(),
+                "this steering vector was built",
+                "build one on this model",
+            )
+    if steers:
+        engine.readout.require("steering")
+        engine._require_sites([item.site for item in steers])
+    return steers
 
 
-def stop_ids(tokenizer: Any) -> set[int]:
-    """Token ids plain generation stops at: the tokenizer's end of sequence and the
-    checkpoint's generation config's (vLLM stops at both)."""
-    ids = {tokenizer.eos_token_id} - {None}
-    return {int(i) for i in ids | _config_eos(tokenizer.name_or_path)}
+def split_clamps(patch: Any) -> tuple[list[Clamp], Any]:
+    """The `ek.Clamp`s among a lens's ``patch`` (they are steers: edits of the stream by
+    SAE features), and the rest of it."""
+    items = as_list_of(patch)
+    clamps = [item for item in items if isinstance(item, Clamp)]
+    if not clamps:
+        return [], patch
+    rest = [item for item in items if not isinstance(item, Clamp)]
+    return clamps, rest or None
 
 
-@functools.cache
-def _config_eos(checkpoint: str) -> frozenset[int]:
-    """The end-of-sequence ids of ``checkpoint``'s generation config (read once per
-    checkpoint, not at every generation); none when it has no config."""
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(checkpoint).eos_token_id
-    except (OSError, ValueError):
-        return frozenset()
-    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-
-
-def until_stop(ids: Sequence[int], stops: set[int]) -> list[int]:
-    """``ids`` up to and including the first stop token (as vLLM returns them)."""
-    out = []
-    for token in ids:
-        out.append(int(token))
-        if token in stops:
-            break
-    return out
-
-
-def generated_ids(
-    model: Any,
-    readout: Readout,
-    prompt: str,
-    runs: Sequence[Sequence[Addition]],
-    max_tokens: int,
-    guard: Callable[[], AbstractContextManager],
-    lens: tuple[Sequence[int], Sequence[int], int] | None = None,
-) -> tuple[list[list[int]], list[dict[str, torch.Tensor]] | None]:
-    """Greedy generations of ``prompt``, one invoke per run of ``runs`` (each with its own
-    additions), in one trace under ``guard``; stop tokens are not cut here (`until_stop`).
-
-    ``lens`` = (layers, target ids, position): each run also reduces on the ranks the lens
-    at that prompt position of those layers' streams after steering (top 1 and the targets'
-    probabilities), from the prompt's own pass.
-    """
-    import nnsight
-
-    from envoykit.analyses.lens import lens_statistics
-
-    layer_list = at(model, readout.layers)
-    layers, targets, position = lens if lens is not None else ((), (), 0)
-    reads = {layer: {"resid"} for layer in layers}
-    where = torch.tensor([position])
-    norm, head = at(model, readout.final_norm), at(model, readout.unembedding)
-    with guard(), model.trace(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) as tracer:
-        for additions in runs:
-            with tracer.invoke(prompt):
-                samples = nnsight.save([])
-                stats = nnsight.save([])
-                for step in tracer.iter[:max_tokens]:
-                    here = writes_by_layer(at_step(additions, step))
-                    streams = walk(readout, layer_list, reads if step == 0 else {}, here)
-                    if step == 0 and lens is not None:
-                        found = lens_statistics(
-                            norm, head.vocab_shard(), streams, where, 1, targets
-                        )
-                        stats.append({key: value.cpu() for key, value in found.items()})
-                    samples.append(model.samples.cpu())
-    if len(runs) == 1:
-        samples, stats = [samples], [stats]
-    ids = [[int(s.flatten()[0]) for s in run] for run in samples]
-    return ids, None if lens is None else [run[0] for run in stats]
-
-
-def mean_difference(
-    model: Any,
-    readout: Readout,
-    positive: Sequence[str],
-    negative: Sequence[str],
-    layer: int,
-    site: str,
-    position: int | None,
-    guard: Callable[[], AbstractContextManager],
-    progress: bool = True,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The mean stream at (``layer``, ``site``) over ``positive`` and over ``negative``
-    prompts (float64 sums of float32 rows), at token ``position`` of each prompt, or the
-    mean over its positions where ``position`` is None."""
-    from tqdm.auto import tqdm
-
-    prompts = [*positive, *negative]
-    rows = []
-    with tqdm(
-        total=len(prompts), desc="steering vector", unit="prompt", disable=not progress
-    ) as bar:
-        for start in range(0, len(prompts), _PROMPTS_PER_TRACE):
-            chunk = prompts[start : start + _PROMPTS_PER_TRACE]
-            with guard():
-                rows += _streams_at(model, readout, chunk, layer, site, position)
-            bar.update(len(chunk))
-    values = np.stack([row.double().numpy() for row in rows])
-    return values[: len(positive)].mean(0), values[len(positive) :].mean(0)
-
-
-def _streams_at(
-    model: Any,
-    readout: Readout,
-    prompts: Sequence[str],
-    layer: int,
-    site: str,
-    position: int | None,
-) -> list[torch.Tensor]:
-    """One trace, one invoke per prompt: each prompt's stream row ``[d_model]``."""
-    import nnsight
-
-    layer_list = at(model, readout.layers)
-    with model.trace(temperature=0.0, max_tokens=1) as tracer:
-        for prompt in prompts:
-            with tracer.invoke(prompt):
-                ((value, residual),) = walk(readout, layer_list, {layer: {site}}, {})
-                stream = value.float() if residual is None else value.float() + residual
-                row = stream.mean(0) if position is None else stream[position]
-                saved = nnsight.save(row.cpu())
-    return saved if len(prompts) > 1 else [saved]
-
-
-def check_prompt_lists(positive: Any, negative: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Both prompt lists of a steering vector, each non-empty."""
-    lists = []
-    for name, value in (("positive", positive), ("negative", negative)):
-        if isinstance(value, (list, tuple)) and not value:
-            raise InvalidRequest(f"the {name} prompts are empty: a mean needs at least one")
-        lists.append(normalise_prompts(value))
-    return lists[0], lists[1]
+def as_list_of(value: Any) -> list:
+    """None, one object or a list of them, as a list."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,10 +26,15 @@ from envoykit.analyses.request import (
     normalise_positions,
     normalise_prompts,
     single_token_target,
+    token_ids,
 )
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Cell, Readout, Write
 from envoykit.results.sweep import METRICS, SweepResult
+
+if TYPE_CHECKING:
+    from envoykit.analyses.steering import Steer
+    from envoykit.analyses.surface import EngineSurface
 
 
 @dataclass(frozen=True)
@@ -120,8 +125,7 @@ def _same_length_ids(
     tokenizer: Any, source: str, target: str
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Both prompts' token ids: a sweep copies position p into position p, so as many."""
-    source_ids = tuple(tokenizer(source)["input_ids"])
-    target_ids = tuple(tokenizer(target)["input_ids"])
+    source_ids, target_ids = token_ids(tokenizer, source), token_ids(tokenizer, target)
     if len(source_ids) != len(target_ids):
         shown = [[tokenizer.decode([i]) for i in ids] for ids in (source_ids, target_ids)]
         raise InvalidRequest(
@@ -196,3 +200,58 @@ def run(
         meta={**{k: v for k, v in meta.items() if k != "vocab"}, "batch": request.batch},
         heads=np.array(request.heads) if request.site == "head" else None,
     )
+
+
+def patch_sweep(
+    engine: EngineSurface,
+    source: str,
+    target: str,
+    *,
+    layers: Any = None,
+    positions: Any = None,
+    site: str = "resid",
+    metric: str = "prob",
+    target_token: str | int,
+    other_token: str | int | None = None,
+    batch: int = 8,
+    progress: bool = True,
+    steer: Steer | Sequence[Steer] | None = None,
+) -> SweepResult:
+    """Causal tracing: patch ``source``'s stream into ``target`` at every (layer,
+    position) and measure the target's next token at its last position. With
+    ``site="head"``, every (layer, head) instead: each copy takes one head's output from
+    the source at every position of ``positions`` (default all), a layers x heads map.
+
+    Both prompts must tokenize to the same length (position p is copied to position p).
+    ``metric``: "prob" (``target_token``'s probability) or "logit_diff" (its logit minus
+    ``other_token``'s). Runs ``batch`` patched copies of the target per trace (one
+    invoke each), reduced on the ranks to one number each, with a progress bar; an
+    interrupt stops it between batches and leaves the engine usable. ``steer``: steers
+    made in every target run (the clean one included), not in the source's;
+    ``meta["steer"]`` says so.
+    """
+    from envoykit.analyses import steering
+
+    info, heads = engine.info, engine.readout.heads
+    req = build_request(
+        engine.tokenizer,
+        info.n_layers,
+        info.vocab,
+        source,
+        target,
+        layers=layers,
+        positions=positions,
+        site=site,
+        metric=metric,
+        target_token=target_token,
+        other_token=other_token,
+        batch=batch,
+        n_heads=None if isinstance(heads, str) else heads.n_heads,
+    )
+    engine._require_sites([site])
+    steers = steering.engine_steers(engine, steer)
+    additions = steering.plan_additions(steers, info.n_layers, info.d_model, len(req.target_ids))
+    meta = engine._result_meta()
+    if steers:
+        meta["steer"] = [item.describe() for item in steers]
+    return run(engine.model, engine.readout, req, meta, engine.exclusive, progress, additions)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from envoykit.analyses import attribution, lens
+from envoykit.analyses import attribution
 from envoykit.analyses.sae import SAE
 from envoykit.model.readout import Addition, Cell
 from envoykit.model.vocab_shard import VocabShard
-from envoykit.ranks import heads, sae, translators, vocab_parallel
+from envoykit.ranks import heads, lens, sae, translators, vocab_parallel
 
 D, VOCAB, T = 8, 20, 3
 DEVICE = torch.device("meta")

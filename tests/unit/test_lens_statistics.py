@@ -1,6 +1,6 @@
 """The lens's reductions, on a toy norm and head, against a direct float64 computation.
 
-What runs on every rank (`envoykit.analyses.lens.lens_statistics`) is plain torch once it is handed
+What runs on every rank (`envoykit.ranks.lens.lens_statistics`) is plain torch once it is handed
 a norm, a head and the per-layer streams: here the norm is a fused add-norm in miniature that
 writes its sum into its input, as vLLM's may, and the head a bias-free linear layer. The
 reference shares no code with envoykit: probabilities from ``softmax``, entropy and KL from
@@ -20,8 +20,7 @@ import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from envoykit.analyses import lens
-from envoykit.ranks import vocab_parallel
+from envoykit.ranks import lens, vocab_parallel
 
 D_MODEL, VOCAB, N_POS, TOP_K = 16, 37, 6, 5
 TARGETS = [3, 11, 36]

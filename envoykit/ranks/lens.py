@@ -1,0 +1,135 @@
+"""What each rank reduces of a lens: its slice of the vocabulary's logits, chunked to a
+memory budget, down to top-k, target probability and rank, entropy and KL per cell.
+
+Plain torch once it is handed the streams (the lens, the corpus lens and a steer sweep all
+call `lens_statistics` inside their traces); the ranks combine a few numbers per cell through
+`envoykit.ranks.vocab_parallel`, so every rank ends with the statistics of the whole
+vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from envoykit.model.readout import normalize
+from envoykit.model.vocab_shard import VocabShard
+from envoykit.ranks import vocab_parallel
+from envoykit.ranks.cancel import stop_if_cancelled
+
+# A rank's slice of the float32 logits (and what is computed from them) per unembedding call
+# stays under this.
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+
+
+def lens_statistics(
+    norm: Any,
+    shard: VocabShard,
+    streams: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    positions: torch.Tensor | None,
+    top_k: int,
+    targets: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    budget: int = DEFAULT_MEMORY_BUDGET,
+    cancel: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Reduce the lens of ``streams`` (one ``(hidden, residual)`` per row) on this rank.
+
+    A row without a residual is a lone vector, normalised by itself. The last stream is the
+    final layer: KL is measured against its distribution. Each rank reduces only its own
+    slice of the vocabulary (``shard``, see `vocab_parallel`) and the ranks combine small
+    per-cell summaries, so every rank returns the same statistics of the whole vocabulary.
+    Returns tensors on the streams' device (the trace moves them to the host as it saves
+    them): ``top_ids``/``top_probs`` ``[layers, positions, k]``,
+    ``entropy``/``kl`` ``[layers, positions]``, ``target_probs``/``target_ranks``
+    ``[layers, positions, targets]`` (rank 0 = the most likely token). ``cancel``: the
+    lens's cancel key, looked for before each chunk (`envoykit.ranks.cancel`).
+    """
+    rows = [normalize(norm, value, residual) for value, residual in streams]
+    device = rows[0].device
+    if positions is not None:
+        rows = [row[positions.to(device)] for row in rows]
+    # Each exchange is a collective: every rank must make the same calls, so chunks are sized
+    # by the largest slice (slices differ by the vocabulary's padding), not by this rank's.
+    largest = shard.largest
+    n_pos = rows[0].shape[0]
+    span = positions_per_call(largest, budget)
+    blocks = [
+        _reduce_positions(
+            shard,
+            [row[start : start + span] for row in rows],
+            top_k,
+            targets,
+            dtype,
+            budget,
+            largest,
+            cancel,
+        )
+        for start in range(0, n_pos, span)
+    ]
+    return {key: torch.cat([block[key] for block in blocks], dim=1) for key in blocks[0]}
+
+
+def _reduce_positions(
+    shard: VocabShard,
+    rows: list[torch.Tensor],
+    top_k: int,
+    targets: Sequence[int],
+    dtype: torch.dtype,
+    budget: int,
+    largest: int,
+    cancel: str | None,
+) -> dict[str, torch.Tensor]:
+    """`lens_statistics` of one block of positions: layers in chunks that fit ``budget``."""
+    n_pos = rows[0].shape[0]
+    per_call = layers_per_call(n_pos, largest, budget)
+    # The final layer's chunk goes first: every chunk needs its distribution for KL.
+    chunks = [rows[max(0, end - per_call) : end] for end in range(len(rows), 0, -per_call)]
+    final_logp = final_probs = None
+    pieces: list[dict[str, torch.Tensor]] = []
+    for chunk in chunks:
+        stop_if_cancelled(shard, cancel, chunk[0].device)
+        logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
+        largest_logit, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
+            shard, logits, top_k, targets
+        )
+        # This rank's slice of the log-probs, in place: (logit - largest) - log_sum.
+        logp = logits.sub_(largest_logit.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
+        if final_logp is None:
+            final_logp = logp[-1].clone()
+            final_probs = final_logp.exp()
+        entropy, kl, ranks = vocab_parallel.sums(
+            shard, logp, (final_logp, final_probs), target_logp
+        )
+        # 32-bit throughout: what crosses to the client is 4 bytes per number.
+        pieces.append(
+            {
+                "top_ids": top_ids.int(),
+                "top_probs": top_logp.exp().float(),
+                "entropy": entropy.float(),
+                "kl": kl.float(),
+                "target_probs": target_logp.exp().float(),
+                "target_ranks": ranks.int(),
+            }
+        )
+        # This chunk's logits go before the next chunk's exist: held across the next head
+        # call, they added a chunk to the peak (a second long demo lens at TP=3: a rank's
+        # peak rose up to 169 MiB above its start with them, up to 84 MiB without).
+        del logits, logp
+    pieces.reverse()
+    return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
+
+
+def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
+    """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice), and
+    the two temporaries of their size the reductions make, fit ``budget`` bytes."""
+    return max(1, math.floor(budget / max(1, n_pos * vocab * 4 * 3)))
+
+
+def positions_per_call(vocab: int, budget: int) -> int:
+    """Positions per block so that one layer of them fits ``budget`` as in `layers_per_call`:
+    past that, a long prompt's single layer would outgrow the budget with its length."""
+    return layers_per_call(1, vocab, budget)

@@ -211,6 +211,7 @@ def collect(
 
     req = build_request(engine, layers, sites, positions, dtype, max_length, batch_tokens)
     tokenizer, vocab = engine.tokenizer, engine.info.vocab
+    documents = corpus.documents(texts)  # a corpus refused here leaves no store behind
     total = corpus.total_tokens(tokenizer, texts, vocab)
     settings = {
         "model": engine.fingerprint(),
@@ -227,7 +228,7 @@ def collect(
             engine.model,
             engine.readout,
             tokenizer,
-            corpus.documents(texts),
+            documents,
             writer,
             req.rows,
             req.positions,

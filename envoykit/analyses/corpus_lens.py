@@ -152,19 +152,20 @@ def lens_corpus(
         raise InvalidRequest(f"confidence lies in (0, 1), not {confidence!r}")
     length = corpus.check_max_length(max_length, info.max_model_len)
     batch = request.check_count("batch_tokens", batch_tokens, minimum=1)
+    documents = corpus.documents(texts)
+    total = corpus.total_tokens(engine.tokenizer, texts, info.vocab)
     meta = engine._result_meta()
     meta.pop("vocab")
     key = None
     if translator is not None:
         key = engine._install_translator(translator)
         meta.update(lens="tuned", translator=key)
-    total = corpus.total_tokens(engine.tokenizer, texts, info.vocab)
     with corpus.progress_bar(progress, "corpus lens", total) as bar:
         sums, counts = run(
             engine.model,
             engine.readout,
             engine.tokenizer,
-            corpus.documents(texts),
+            documents,
             picked,
             top_k,
             key,

@@ -302,6 +302,7 @@ def feature_stats(
         batch_tokens=batch_tokens,
     )
     engine._require_sae(req.sae)
+    documents = corpus.documents(texts)  # a corpus refused here leaves no store behind
     total = corpus.total_tokens(engine.tokenizer, texts, info.vocab)
     meta = {**engine._result_meta(), "sae": req.sae.describe()}
     meta.pop("vocab")
@@ -320,7 +321,7 @@ def feature_stats(
             engine.model,
             engine.readout,
             engine.tokenizer,
-            corpus.documents(texts),
+            documents,
             req,
             info.vocab,
             meta,

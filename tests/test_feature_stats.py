@@ -243,7 +243,7 @@ def test_the_command_line_writes_the_store_and_the_figure(tiny1, tmp_path, capsy
 
     import matplotlib
 
-    from envoykit import cli
+    from envoykit.cli.sae import print_feature_stats
 
     matplotlib.use("Agg")
     args = argparse.Namespace(
@@ -258,7 +258,7 @@ def test_the_command_line_writes_the_store_and_the_figure(tiny1, tmp_path, capsy
         feature=3,
         figure=tmp_path / "feature.png",
     )
-    cli._print_feature_stats(tiny1, args)
+    print_feature_stats(tiny1, args)
     printed = capsys.readouterr().out
     opened = ek.FeatureStats.open(tmp_path / "stats")
     assert opened.n_documents == len(CORPUS) and opened.meta["complete"]

@@ -15,9 +15,7 @@ from pathlib import Path
 
 def widgets_dir() -> Path:
     """The folder of the browser modules: inside the package in a wheel, top-level in a checkout."""
-    import envoykit
-
-    package = Path(envoykit.__file__).parent
+    package = Path(__file__).resolve().parents[1]  # envoykit/, from envoykit/explorer/
     for folder in (package / "widgets", package.parent / "widgets"):
         if (folder / "heatmap.js").is_file():
             return folder

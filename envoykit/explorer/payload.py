@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from envoykit.explorer.rows import RESID, SUBLAYER_SITES, ordered
+from envoykit.plot.colours import colour_stops
 from envoykit.results.attention import AttentionResult
 from envoykit.results.compare import CompareResult
 from envoykit.results.lens import SITE_SUFFIXES, LensResult
-from envoykit.results.metrics import JS, delta_metric, metric_grid, metric_keys
+from envoykit.results.metrics import JS, Metric, delta_metric, metric_grid, metric_keys
 
 # Digits kept in the JSON: a tooltip shows four, and fewer digits are fewer bytes.
 PROB_DECIMALS = 6
@@ -46,7 +47,7 @@ def heatmap_data(res: LensResult, marks: Sequence[Sequence[int]] = ()) -> dict[s
     grids = {}
     for key in metric_keys(res):
         values, metric = metric_grid(res, key)
-        grids[key] = {**metric.scale(values), "values": json_grid(values)}
+        grids[key] = metric_payload(metric, values)
     return {
         "prompt": res.prompt,
         "run": res.run_label,  # the legend says what was run: tuned, patched, steered
@@ -69,13 +70,9 @@ def compare_data(res: CompareResult, names: Sequence[str] = ("a", "b")) -> dict[
     ``names``); the cell reads ``top_a→top_b`` where they differ, and a column whose input
     tokens differ is labelled ``a|b``.
     """
-    grids = {JS.key: {**JS.scale(res.js), "values": json_grid(res.js)}}
+    grids = {JS.key: metric_payload(JS, res.js)}
     for label, token in zip(res.target_labels, res.target_tokens):
-        values = res.delta(label)
-        grids[label] = {
-            **delta_metric(label, token, names).scale(values),
-            "values": json_grid(values),
-        }
+        grids[label] = metric_payload(delta_metric(label, token, names), res.delta(label))
     shape = res.js.shape
     top_a = np.array(res.top_tokens_a, dtype=object).reshape(shape)
     top_b = np.array(res.top_tokens_b, dtype=object).reshape(shape)
@@ -227,4 +224,14 @@ def attention_data(
         "strips": json_grid(np.array(dense)),
         "pattern": pattern,
         "contributions": bars,
+    }
+
+
+def metric_payload(metric: Metric, values: np.ndarray) -> dict[str, Any]:
+    """One grid of the heatmap's payload: ``values`` and the scale that colours them, with
+    the colour map's stops the browser interpolates between."""
+    return {
+        **metric.scale(values),
+        "stops": list(colour_stops(metric.cmap)),
+        "values": json_grid(values),
     }

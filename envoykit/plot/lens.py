@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from envoykit.plot.colours import text_colour
 from envoykit.plot.text import short
-from envoykit.results.metrics import metric_grid, text_colour
+from envoykit.results.metrics import metric_grid
 
 if TYPE_CHECKING:
     from envoykit.results.lens import LensResult

@@ -2,21 +2,18 @@
 
 The matplotlib heatmap (`envoykit.plot`) and the browser heatmap (``widgets/heatmap.js``)
 draw from the same `Metric`: the browser receives it in its payload, colour map included as a
-list of colour stops sampled here from matplotlib's own, so the two pictures agree and the JS
-keeps no table of its own. A target's probability is a metric like the others
-(`target_metric`), keyed by the label the target was asked with.
+list of colour stops sampled from matplotlib's own (`envoykit.plot.colours`), so the two
+pictures agree and the JS keeps no table of its own. A target's probability is a metric like
+the others (`target_metric`), keyed by the label the target was asked with.
 
 >>> from envoykit.results.lens import LensResult
 >>> values, metric = metric_grid(LensResult.example(), "entropy")
 >>> values.shape, metric.title, metric.cmap
 ((3, 2), 'entropy (nats)', 'magma_r')
->>> colour_stops("Blues", 3)
-('#f7fbff', '#6aaed6', '#08306b')
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,16 +23,9 @@ import numpy as np
 if TYPE_CHECKING:  # types only: results draw through this module, so it must not import them
     from envoykit.results.lens import LensResult, TargetTrace
 
-# Colour-map samples sent to the browser, which interpolates linearly between them: with 16
-# the largest difference from matplotlib's own 256-entry maps is a few levels out of 255.
-STOPS = 16
-
 # Robust colour limits (`Metric.range`) from this many values up: below it, percentiles
 # would only drop real cells.
 _ROBUST_FROM = 20
-
-# WCAG relative luminance at which black and white text contrast equally with the cell.
-_EVEN_CONTRAST = 0.179
 
 
 @dataclass(frozen=True)
@@ -93,7 +83,6 @@ class Metric:
             "label": self.label,
             "units": self.units,
             "cmap": self.cmap,
-            "stops": list(colour_stops(self.cmap)),
             "vmin": vmin,
             "vmax": vmax,
             "robust": bool(robust),
@@ -137,30 +126,6 @@ def metric_grid(res: LensResult, key: str) -> tuple[np.ndarray, Metric]:
             f"{list(res.target_labels)}"
         ) from None
     return trace.prob, target_metric(trace)
-
-
-@functools.cache
-def colour_stops(cmap: str, n: int = STOPS) -> tuple[str, ...]:
-    """``n`` colours (``"#rrggbb"``) sampled evenly along matplotlib's colour map ``cmap``."""
-    import matplotlib
-    from matplotlib.colors import to_hex
-
-    colours = matplotlib.colormaps[cmap](np.linspace(0.0, 1.0, n))
-    return tuple(to_hex(colour) for colour in colours)
-
-
-def text_colour(rgba: Sequence[float]) -> str:
-    """Near-black or white, whichever reads better on a cell of colour ``rgba`` (0–1 floats).
-
-    A transparent cell shows the white page under it. ``widgets/heatmap.js`` applies the same
-    rule to the cells it draws.
-    """
-    red, green, blue, *alpha = rgba
-    opacity = alpha[0] if alpha else 1.0
-    channels = [opacity * c + (1.0 - opacity) for c in (red, green, blue)]
-    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
-    luminance = 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
-    return "#111111" if luminance > _EVEN_CONTRAST else "#ffffff"
 
 
 # The diff's metrics, as `plot.compare` colours them: JS divergence lies in [0, ln 2]; a

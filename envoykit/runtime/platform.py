@@ -215,8 +215,8 @@ def refuse_unguarded_script() -> None:
     raise InvalidRequest(
         f"{os.path.basename(script)} starts an engine in its top-level code (line "
         f"{frame.f_lineno}): the engine's processes run the script again when they start. "
-        'Put the engine start under `if __name__ == "__main__":` (see the README, "From a '
-        'script")'
+        'Put the engine start under `if __name__ == "__main__":` (see docs/runtime.md, "From '
+        'a script")'
     )
 
 

@@ -4,7 +4,7 @@ Every module of the served model is an nnsight envoy; ad-hoc calls on sharded mo
 and return whole tensors; a logit lens runs on the ranks and ships back only what is shown.
 """
 
-from envoykit import plot
+from envoykit import _compat, plot
 from envoykit.analyses.compare import Run, compare
 from envoykit.analyses.corpus import shipped_corpus
 from envoykit.analyses.patching import Ablate, Patch
@@ -78,6 +78,8 @@ __all__ = [
     "train_sae",
 ]
 __version__ = "0.1.0"
+
+_compat.check_versions()
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit import _compat as compat
 from envoykit.analyses.request import check_head, normalise_layers, normalise_positions, one_prompt
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
@@ -118,7 +119,9 @@ def run(
         for layer in request.layers:
             kernel = at(layer_list[layer - 1], layout.attention)
             query, key = query_key(*rank_inputs(kernel))
-            weights = local_patterns(kernel._module, query, key, queries.to(query.device))
+            weights = local_patterns(
+                compat.envoy_module(kernel), query, key, queries.to(query.device)
+            )
             kept.append(_top(weights[mine.to(weights.device)], request.top_k))
         # One exchange for every layer: [ranks, layers, width, queries, K], then the picked
         # heads in their order. Every key kept: the keys are 0..T-1 on every row, known here.

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit import _compat as compat
 from envoykit.analyses import selfcheck
 from envoykit.analyses.request import (
     Target,
@@ -148,7 +149,7 @@ def _split_into_heads(
     ``parts`` are the attribution's components (layer ``l``'s attention is ``2l - 1``)."""
     split = [
         head_statistics(
-            at(layer_list[layer - 1], layout.output)._module,
+            compat.envoy_module(at(layer_list[layer - 1], layout.output)),
             heads_in[layer],
             parts[2 * layer - 1],
             directions,
@@ -216,7 +217,7 @@ def run(
     readout.require("attribution")
     positions = None if request.positions is None else torch.tensor(request.positions)
     target_ids = [t.token_id for t in request.targets]
-    processor = model._module.logits_processor
+    processor = compat.envoy_module(model).logits_processor
     logit_scale = float(processor.scale)
     # The embedding, each layer's two writes, and the final stream: the writes sum to it;
     # with heads, each layer's heads' projection input too.

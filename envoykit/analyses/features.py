@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit import _compat as compat
 from envoykit.analyses import selfcheck
 from envoykit.analyses.request import check_count, normalise_prompts, one_prompt
 from envoykit.analyses.sae import SAE, InstalledSAEs, as_saes
@@ -239,7 +240,7 @@ def attribute(
     last_is_site = (sae.layer, sae.site) == (n, "resid")
     positions = None if request.positions is None else torch.tensor(request.positions)
     target_ids = [t.token_id for t in request.targets]
-    logit_scale = float(model._module.logits_processor.scale)
+    logit_scale = float(compat.envoy_module(model).logits_processor.scale)
     key, top_k = sae.key, request.top_k
     with guard(), model.trace(request.prompt, temperature=0.0, max_tokens=1):
         norm = at(model, readout.final_norm)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from envoykit import _compat as compat
 from envoykit.analyses import (
     attention,
     attribution,
@@ -169,4 +170,4 @@ class EngineSurface:
         """Every location whose value is whole at any TP size (`envoykit.model.envoys.Location`)."""
         from envoykit.model.envoys import whole_locations
 
-        return whole_locations(self.model._module)
+        return whole_locations(compat.envoy_module(self.model))

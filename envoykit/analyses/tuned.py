@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
+from envoykit import _compat as compat
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import at, norm_parameters, walk
 from envoykit.results.identity import IDENTITY, check_same_model
@@ -476,7 +477,7 @@ def gather_head(engine: Any) -> Head:
             like = (like[0] if isinstance(like, tuple) else like).float()
             affine = norm_parameters(norm, d_model, like)
             affine = nnsight.save({key: value.cpu() for key, value in affine.items()})
-    processor = model._module.logits_processor
+    processor = compat.envoy_module(model).logits_processor
     return Head(
         torch.cat(rows),
         affine["gain"],

@@ -36,9 +36,7 @@ def add_serve(commands: Any) -> None:
 
 def run_serve(args: argparse.Namespace, passed_on: list[str]) -> int:
     """Serve until stopped; ``passed_on``, the options argparse did not know, go to vLLM."""
-    from nnsight.modeling.vllm.serve.cli import _parse_vllm_args
-
-    from envoykit import EnvoykitError
+    from envoykit import EnvoykitError, _compat
     from envoykit.serve.server import serve
 
     try:
@@ -53,7 +51,7 @@ def run_serve(args: argparse.Namespace, passed_on: list[str]) -> int:
             restart=args.restart,
             log_level=args.log_level,
             # nnsight-serve's own spelling: --flag value becomes flag=value, coerced.
-            engine_kwargs=_parse_vllm_args(passed_on),
+            engine_kwargs=_compat.parse_vllm_args(passed_on),
         )
     except EnvoykitError as error:
         print(f"envoykit serve: {error}", file=sys.stderr)

@@ -46,6 +46,7 @@ from nnsight.modeling.vllm.envoys import ParallelEnvoy
 from nnsight.modeling.vllm.fragments import VLLMFragments
 from nnsight.util import apply
 
+from envoykit import _compat as compat
 from envoykit.errors import InvalidRequest, ShardedValue
 from envoykit.model.readout import Readout, decoder_layers, lm_head_only, unembedding_module
 from envoykit.model.vocab_shard import VocabShard
@@ -102,17 +103,8 @@ class EnvoykitVLLM(VLLM):
         # every MoE model's build raised. They fill an ``empty_like`` of the weight in place,
         # so on meta there is nothing to do; for the length of this build, in this process
         # only, they do nothing on meta tensors. The ranks pack their real weights as before.
-        import vllm._custom_ops  # noqa: F401  (loads vLLM's kernels into torch.ops._C)
-
-        has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
-        meta_kernels = torch.library.Library("_C", "IMPL")
-        try:
-            for name in ("prepack_moe_weight", "prepack_moe_weight_int8"):
-                if hasattr(torch.ops._C, name) and not has_kernel(f"_C::{name}", "Meta"):
-                    meta_kernels.impl(name, lambda *args: None, "Meta")
+        with compat.moe_meta_kernels():
             meta_model = super()._load_meta(repo_id, **kwargs)
-        finally:
-            meta_kernels._destroy()
         config = _hf_config(repo_id)
         architecture = (config.get("architectures") or [type(meta_model).__name__])[0]
         self.readout = Readout.find(meta_model, architecture, config)
@@ -133,11 +125,11 @@ class EnvoykitVLLM(VLLM):
             if named is None:
                 kwargs["edits"] = [
                     edit.name
-                    for edit in self._installed_edits
+                    for edit in compat.installed_edits(self)
                     if edit.name is not None and not edit.name.startswith(STEER_EDIT)
                 ]
             try:
-                mediators = self._attach_mediators(params, **kwargs)
+                mediators = compat.attach_mediators(self, params, **kwargs)
                 outputs = self.vllm_entrypoint.generate(
                     prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
                 )
@@ -149,7 +141,7 @@ class EnvoykitVLLM(VLLM):
 
     def clear_steer_edits(self) -> None:
         """Clear every steered trace's edit still installed (one whose trace never ran)."""
-        for edit in list(self._installed_edits):
+        for edit in compat.installed_edits(self):
             if edit.name is not None and edit.name.startswith(STEER_EDIT):
                 edit.clear()
 
@@ -163,7 +155,7 @@ class EnvoykitVLLM(VLLM):
         """
         for output in outputs:
             raise_as_envoykit(getattr(output, "nnsight_error", None) or {})
-        VLLM._collect(mediators, outputs)
+        compat.collect_saves(mediators, outputs)
 
 
 _RAISED_ON_RANKS = {cls.__name__: cls for cls in (InvalidRequest, ShardedValue)}
@@ -203,19 +195,20 @@ class UnembedEnvoy(ParallelEnvoy):
         """
         (value,) = args
         if not value.is_floating_point():
-            if self._module is lm_head_only(self.root._module):
+            if compat.envoy_module(self) is lm_head_only(compat.envoy_module(self.root)):
                 raise InvalidRequest(
                     f"{self.path} is the model's LM head (a separate unembedding matrix): it "
                     "takes hidden states [tokens, d_model], not token ids"
                 )
             return super().__call__(*args, hook=hook, **kwargs)
-        root = self.root._module
-        if self._module is not unembedding_module(root):
+        root = compat.envoy_module(self.root)
+        module = compat.envoy_module(self)
+        if module is not unembedding_module(root):
             raise InvalidRequest(
                 f"{self.path} is an input embedding, not the model's unembedding: it takes "
                 "integer token ids; unembed hidden states with model.lm_head(...)"
             )
-        return root.logits_processor(self._module, value, head_bias(self._module))
+        return root.logits_processor(module, value, head_bias(module))
 
     def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Whole rows ``[n, d_model]`` of the unembedding matrix for ``token_ids``, any TP.
@@ -228,14 +221,14 @@ class UnembedEnvoy(ParallelEnvoy):
         """
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-        module = unembedding_module(self.root._module)
+        module = unembedding_module(compat.envoy_module(self.root))
         return VocabParallelEmbedding.forward(module, token_ids.to(module.weight.device))
 
     def bias_of(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The head's bias ``[n]`` for ``token_ids`` (zeros for a head without one), whole at
         any TP: each rank holds its slice of the bias, the others give zeros, and one
         all-gather sums them, as `rows` does for the weight."""
-        module = unembedding_module(self.root._module)
+        module = unembedding_module(compat.envoy_module(self.root))
         bias = head_bias(module)
         ids = token_ids.to(module.weight.device)
         if bias is None:
@@ -254,7 +247,7 @@ class UnembedEnvoy(ParallelEnvoy):
         columns, past its last real token, are cut off. The exchange is the tensor-parallel
         group's all-gather, on whatever device and backend the engine uses.
         """
-        root = self.root._module
+        root = compat.envoy_module(self.root)
         module = unembedding_module(root)
         indices = module.shard_indices
         size = indices.num_org_elements
@@ -297,12 +290,14 @@ class ShardedEnvoy(Envoy):
     """A location that holds one rank's piece at TP>=2: reads and writes are refused."""
 
     def _refuse(self, side: str) -> None:
-        column, row = _parallel_siblings(self._module)
+        column, row = _parallel_siblings(compat.envoy_module(self))
         if row is not None:  # a block whose sum over the ranks happens after it
             hints = [f"{self.path}.{row}.output"]
         else:
             parent = self.parent
-            column, row = (None, None) if parent is None else _parallel_siblings(parent._module)
+            column, row = (
+                (None, None) if parent is None else _parallel_siblings(compat.envoy_module(parent))
+            )
             hints = [
                 f"{parent.path}.{name}.{where}"
                 for name, where in ((column, "output"), (row, "input"))

@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _set_torch_accelerator_to_noop
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from envoykit import _compat as compat
 from envoykit.model.envoys import InstallFragments
 from envoykit.ranks.sae import SAEStore
 from envoykit.ranks.translators import TranslatorStore
@@ -72,4 +73,4 @@ def prepare_client() -> None:
     vLLM's loader calls ``torch.accelerator.empty_cache()``, which raises when there is none;
     vLLM's CPU runner has the helper that makes those calls no-ops.
     """
-    _set_torch_accelerator_to_noop()
+    compat.accelerator_calls_to_noop()

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from multiprocessing import forkserver
 from typing import Any
 
+from envoykit import _compat as compat
 from envoykit.runtime import lifeline, logs
 from envoykit.runtime.janitor import Janitor
 
@@ -80,7 +81,7 @@ def running() -> list[int]:
 
 def _server_pid() -> int | None:
     """The process id of this process's fork server (Python's own record of it)."""
-    return forkserver._forkserver._forkserver_pid
+    return compat.forkserver_pid()
 
 
 # The fork server (its process id) and the janitor that cleans up after it.
@@ -142,8 +143,7 @@ class _EngineCore(multiprocessing.context.ForkServerProcess):
         logs.apply_engine_config()
         # The fork server's end of its life line: held here, it would keep the server (this
         # process's parent) alive after the owner's death, and so this process too.
-        os.close(forkserver._forkserver._forkserver_alive_fd)
-        forkserver._forkserver._forkserver_alive_fd = None
+        compat.close_forkserver_alive_fd()
         lifeline.die_with_parent(parent=self._server)
         try:
             super().run()

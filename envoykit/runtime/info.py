@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from envoykit import _compat as compat
 from envoykit.errors import InvalidRequest
 from envoykit.runtime import platform
 
@@ -166,12 +167,11 @@ def refuse_unknown_arguments(engine_kwargs: dict[str, Any]) -> None:
     import dataclasses
     import inspect
 
-    from nnsight.modeling.mixins.loadable import _ENVOY_KWARGS
     from nnsight.modeling.vllm import VLLM
     from vllm import LLM
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    known = {field.name for field in dataclasses.fields(AsyncEngineArgs)} | _ENVOY_KWARGS
+    known = {field.name for field in dataclasses.fields(AsyncEngineArgs)} | compat.envoy_options()
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     for function in (LLM.__init__, VLLM.__init__):
         for name, parameter in inspect.signature(function).parameters.items():

@@ -17,8 +17,9 @@ import re
 import time
 from pathlib import Path
 
+from envoykit import _compat as compat
+
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_TORCH_TRITON = "torch._library.triton"
 
 
 def configure(directory: Path, level: str) -> tuple[Path, dict[str, str]]:
@@ -61,7 +62,11 @@ def configure(directory: Path, level: str) -> tuple[Path, dict[str, str]]:
             # find_triton_kernels = []") when vLLM registers its Triton ops; vLLM's CPU
             # backend never uses Triton. torch re-attaches its own handler to its top
             # logger whenever it is imported, but leaves this module's logger alone.
-            _TORCH_TRITON: {"handlers": ["file"], "level": "WARNING", "propagate": False},
+            compat.TORCH_TRITON_LOGGER: {
+                "handlers": ["file"],
+                "level": "WARNING",
+                "propagate": False,
+            },
         },
     }
     config_file = log_file.with_suffix(".logging.json")

@@ -34,6 +34,8 @@ from concurrent.futures import InvalidStateError
 from queue import Queue
 from typing import Any
 
+from envoykit import _compat as compat
+
 # How often a dead engine's waiting calls are woken (`RankWatch`).
 WAKE_EVERY = 0.1
 
@@ -86,11 +88,10 @@ def wake_waiting_client(entry: Any) -> None:
     (``AsyncLLM``) has neither: its server watches the processes itself."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    client = getattr(getattr(entry, "llm_engine", None), "engine_core", None)
-    queue = getattr(client, "outputs_queue", None)
+    queue, futures = compat.engine_core_waits(entry)
     if isinstance(queue, Queue) and queue.empty():
         queue.put_nowait(EngineDeadError())
-    for future in list(getattr(client, "utility_results", {}).values()):
+    for future in futures:
         if not future.done():
             with contextlib.suppress(InvalidStateError):  # answered meanwhile
                 future.set_exception(EngineDeadError())

@@ -60,6 +60,7 @@ from fastapi import HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
+from envoykit import _compat as compat
 from envoykit.serve.tokens import TOKEN_HEADER
 
 logger = logging.getLogger("envoykit.serve.server")
@@ -319,16 +320,15 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
     and answer nnsight's payload: ``{"saves": {name: value}, "error": deferred or None}``."""
     from nnsight.intervention.errors import capture_exception
     from nnsight.intervention.util import clear_shared_locals
-    from nnsight.modeling.vllm.serve import server as nnsight_server
     from nnsight.tracing.globals import SOURCES
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    model = nnsight_server._ready()
+    model = compat.served_model()
     began = time.perf_counter()
     compress = headers.get("nnsight-compress", "False").lower() == "true"
     try:
         try:
-            tracer = nnsight_server._build_tracer(body, compress)
+            tracer = compat.build_served_tracer(body, compress)
         except Exception as error:
             detail = f"not a serialized nnsight trace: {type(error).__name__}: {error}"
             raise HTTPException(status_code=400, detail=detail[:500]) from error
@@ -338,10 +338,10 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
         SOURCES.pop(tracer.info.frame.f_code.co_filename, None)
         try:
             mediators, (prompts, params, loras), kwargs = tracer.prepare(tracer.info.code)
-            model._attach_mediators(params, **kwargs)
+            compat.attach_mediators(model, params, **kwargs)
         except Exception as error:
             logger.info("trace refused while building: %s: %s", type(error).__name__, error)
-            return nnsight_server._payload({}, capture_exception(error))
+            return compat.served_payload({}, capture_exception(error))
     finally:
         # The workers ride on the requests now (or the build failed): none may leak into the
         # next request's build. nnsight clears the per-frame stores its invokes share when a
@@ -363,11 +363,11 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
         return JSONResponse(status_code=503, content={"detail": detail, "engine_dead": True})
     if failures:
         logger.info("generation failed: %r", failures[0])
-        return nnsight_server._payload({}, capture_exception(failures[0]))
+        return compat.served_payload({}, capture_exception(failures[0]))
     ran = time.perf_counter()
     entries = [entry or {"saves": {}, "error": None, "sequences": {}} for entry in results]
     error = next((entry["error"] for entry in entries if entry.get("error")), None)
-    answer = nnsight_server._payload({} if error else merged_saves(mediators, entries), error)
+    answer = compat.served_payload({} if error else merged_saves(mediators, entries), error)
     logger.info(
         "trace of %d invoke(s): built in %.0f ms, ran in %.0f ms, answer (%d bytes) in %.0f ms",
         len(prompts),

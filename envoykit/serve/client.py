@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 
+from envoykit import _compat as compat
 from envoykit.analyses.surface import EngineSurface
 from envoykit.engine import ModelInfo, _OnRank
 from envoykit.errors import EngineDead, InvalidRequest, ServerUnavailable
@@ -411,9 +412,7 @@ class ServedVLLM(EnvoykitVLLM):
         # nnsight brings up a one-rank process group to build the tree and takes it down when
         # an engine loads; with no engine here, down now (torch would otherwise prefix every
         # later traceback in this process with "[rank0]:").
-        if self._owns_distributed:
-            self._cleanup_distributed()
-            self._owns_distributed = False
+        compat.release_build_process_group(self)
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
         meta_model = super()._load_meta(repo_id, **kwargs)

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from envoykit import _compat as compat
 from envoykit.engine import EngineLifetime
 from envoykit.errors import InvalidRequest
 from envoykit.runtime.janitor import Janitor
@@ -226,12 +227,9 @@ def _forget_engine() -> None:
     ``TypeError`` traceback."""
     import gc
 
-    from nnsight.modeling.vllm.serve import server as nnsight_server
-
-    model = nnsight_server._model
+    model = compat.forget_served_model()
     if model is not None:
         model.vllm_entrypoint = None
-    nnsight_server._model = nnsight_server._persistent_objects = None
     gc.collect()
 
 

@@ -1,7 +1,8 @@
 """The package's folders are its layers: a module imports only its own layer and those below.
 
-errors -> model, results -> ranks -> runtime -> analyses -> engine, plot -> serve, explorer ->
-the package's public names (``__init__``) -> cli, which is a user of those names. Read from the
+_compat (the private names of nnsight, vLLM, torch and CPython), errors -> model, results ->
+ranks -> runtime -> analyses -> engine, plot -> serve, explorer -> the package's public names
+(``__init__``) -> cli, which is a user of those names. Read from the
 source (ast), every import counts, lazy ones inside functions included, and ``import envoykit``
 or ``from envoykit import Engine`` inside the package counts as an import of the top
 (``__init__``); imports under ``if TYPE_CHECKING:`` are annotations, not dependencies, and are
@@ -20,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "envoykit"
 
 # Layer of each top-level name in the package; equal numbers may not import each other.
 LAYERS = {
+    "_compat": 0,
     "errors": 0,
     "model": 1,
     "results": 1,

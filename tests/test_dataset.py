@@ -205,8 +205,8 @@ def test_lens_corpus_equals_the_per_prompt_lens(tiny_engines, tp, top_k):
     assert res.n_documents == len(texts) and res.n_tokens == sum(
         len(r.token_ids) for r in per_prompt
     )
-    np.testing.assert_allclose(res.kl, expected["kl"], atol=1e-6)
-    np.testing.assert_allclose(res.entropy, expected["entropy"], atol=1e-6)
+    np.testing.assert_allclose(res.kl, expected["kl"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(res.entropy, expected["entropy"], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(res.agreement, expected["agreement"])
     np.testing.assert_array_equal(res.accuracy, expected["accuracy"])
     for name in ("kl", "entropy", "agreement", "accuracy"):
@@ -240,7 +240,7 @@ def test_tuned_lens_corpus_equals_the_per_prompt_tuned_lens(tiny2):
     assert res.meta["lens"] == "tuned"
     per_prompt = [tiny2.lens(text, layers=["embed", "all"], translator=tuned) for text in texts]
     expected = per_prompt_statistics(per_prompt, 1)
-    np.testing.assert_allclose(res.kl, expected["kl"], atol=1e-6)
+    np.testing.assert_allclose(res.kl, expected["kl"], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(res.agreement, expected["agreement"])
     plain = tiny2.lens_corpus(texts, layers=["embed", "all"], progress=False)
     assert not np.allclose(plain.kl[:-1], res.kl[:-1], atol=1e-3)
@@ -411,7 +411,7 @@ def test_demo_tp3_collect_and_lens_corpus_equal_per_prompt_traces(demo3, tmp_pat
         assert_stream_close(store.document(doc, 30), last)
     res = demo3.lens_corpus(texts, progress=False)
     expected = per_prompt_statistics(demo3.lens(texts, top_k=1), 1)
-    np.testing.assert_allclose(res.kl, expected["kl"], atol=1e-6)
+    np.testing.assert_allclose(res.kl, expected["kl"], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(res.agreement, expected["agreement"])
     np.testing.assert_array_equal(res.accuracy, expected["accuracy"])
     assert res.accuracy[-1] > 0.2  # a real model predicts English text

@@ -75,46 +75,14 @@ class FeaturesPanel(widgets.VBox):
         max_tokens: int = 12,
     ) -> None:
         self.engine, self.sae, self.stats, self.k = engine, sae, stats, k
-        self.prompt = widgets.Textarea(
-            value=prompt or "", placeholder="prompt", layout={"width": "auto", "height": "50px"}
-        )
-        self.top_k = widgets.BoundedIntText(
-            value=top_k, min=1, max=64, description="top-k", layout={"width": "160px"}
-        )
-        self.read_button = widgets.Button(
-            description="Read features", icon="play", layout={"width": "auto"}
-        )
-        # A feature id typed in (Enter), for a feature that is no token's chip.
-        self.feature = widgets.Text(
-            description="feature",
-            placeholder="id, then Enter",
-            continuous_update=False,
-            layout={"width": "200px"},
-        )
+        self._build_inputs(prompt, top_k)
         self.chips = FeatureChips()
         self.header = widgets.HTML()
         self.activation_view = widgets.HTML()
         self.logits_view = widgets.HTML()
         self.contexts_view = widgets.HTML()
         self.histogram_view = widgets.Output()
-        bound = _round_up(max(100.0, abs(clamp)))
-        self.clamp = widgets.FloatSlider(
-            value=clamp,
-            min=-bound,
-            max=bound,
-            step=bound / 200,
-            description="clamp to",
-            readout_format=".4g",
-            layout={"width": "420px"},
-        )
-        self.max_tokens = widgets.BoundedIntText(
-            value=max_tokens, min=1, max=256, description="tokens", layout={"width": "160px"}
-        )
-        self.clamp_button = widgets.Button(
-            description="Generate clamped", icon="play", layout={"width": "auto"}
-        )
-        self.plain_view = widgets.HTML(layout={"width": "50%"})
-        self.clamped_view = widgets.HTML(layout={"width": "50%"})
+        self._build_clamp(clamp, max_tokens)
         self.result: FeatureResult | None = None
         self.selected: int | None = None
         self.activation: np.ndarray | None = None
@@ -152,6 +120,47 @@ class FeaturesPanel(widgets.VBox):
         for control in (self.read_button, self.clamp_button, self.feature):
             control.disabled = bool(self.refusal)
         self.say(self.refusal or HINT, error=bool(self.refusal))
+
+    def _build_inputs(self, prompt: str | None, top_k: int) -> None:
+        """The prompt, how many features a token shows, Read features and a feature's id."""
+        self.prompt = widgets.Textarea(
+            value=prompt or "", placeholder="prompt", layout={"width": "auto", "height": "50px"}
+        )
+        self.top_k = widgets.BoundedIntText(
+            value=top_k, min=1, max=64, description="top-k", layout={"width": "160px"}
+        )
+        self.read_button = widgets.Button(
+            description="Read features", icon="play", layout={"width": "auto"}
+        )
+        # A feature id typed in (Enter), for a feature that is no token's chip.
+        self.feature = widgets.Text(
+            description="feature",
+            placeholder="id, then Enter",
+            continuous_update=False,
+            layout={"width": "200px"},
+        )
+
+    def _build_clamp(self, clamp: float, max_tokens: int) -> None:
+        """The value to clamp to, how many tokens to generate, Generate clamped, and the
+        plain and clamped continuations side by side."""
+        bound = _round_up(max(100.0, abs(clamp)))
+        self.clamp = widgets.FloatSlider(
+            value=clamp,
+            min=-bound,
+            max=bound,
+            step=bound / 200,
+            description="clamp to",
+            readout_format=".4g",
+            layout={"width": "420px"},
+        )
+        self.max_tokens = widgets.BoundedIntText(
+            value=max_tokens, min=1, max=256, description="tokens", layout={"width": "160px"}
+        )
+        self.clamp_button = widgets.Button(
+            description="Generate clamped", icon="play", layout={"width": "auto"}
+        )
+        self.plain_view = widgets.HTML(layout={"width": "50%"})
+        self.clamped_view = widgets.HTML(layout={"width": "50%"})
 
     # -- actions ---------------------------------------------------------------------------
 

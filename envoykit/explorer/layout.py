@@ -2,7 +2,8 @@
 
 `ExplorerLayout` is the explorer's screen: the prompt boxes, the controls, the message line,
 the layer picker, the heatmaps, the compare and sweep panels, the trajectory, the
-attribution panel and the attention panel. `envoykit.explorer.controller` adds what they do.
+attribution panel and the attention panel. `envoykit.explorer.controller` and the parts it
+mixes in add what they do.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class ExplorerLayout(widgets.VBox):
         metric_options: list[tuple[str, str]],
         readonly: bool,
     ) -> None:
-        self._build_inputs(prompt, targets, top_k, compare_with, metric_options, readonly)
+        self._build_inputs(prompt, targets, top_k, metric_options, readonly)
+        self._build_run_controls(compare_with, readonly)
         self._build_views(picker)
         super().__init__(self._arrange())
         self.add_class("ek-explorer")  # the page's handle on the whole explorer
@@ -49,7 +51,6 @@ class ExplorerLayout(widgets.VBox):
         prompt: str,
         targets: Sequence[str],
         top_k: int,
-        compare_with: str,
         metric_options: list[tuple[str, str]],
         readonly: bool,
     ) -> None:
@@ -94,6 +95,9 @@ class ExplorerLayout(widgets.VBox):
             options=[("logit lens", "logit"), ("tuned lens", "tuned")],
             layout=widgets.Layout(width="260px", display="none"),  # "tuned lens" whole
         )
+
+    def _build_run_controls(self, compare_with: str, readonly: bool) -> None:
+        """Run and Cancel, the status and message lines, and the second prompt's box."""
         self.run_button = widgets.Button(
             description="Run", button_style="primary", icon="play", disabled=readonly
         )

@@ -65,7 +65,6 @@ class SteeringPanel(widgets.VBox):
         targets: Sequence[str] = (),
     ) -> None:
         self.engine = engine
-        n_layers = engine.info.n_layers
         self.prompt = widgets.Textarea(
             value=prompt, placeholder="prompt to steer", layout={"width": "auto", "height": "50px"}
         )
@@ -74,21 +73,7 @@ class SteeringPanel(widgets.VBox):
         )
         self.positive = _list_box("positive prompts, one per line", positive)
         self.negative = _list_box("negative prompts, one per line", negative)
-        self.layer = widgets.BoundedIntText(
-            value=max(1, n_layers // 3) if layer is None else layer,
-            min=0,
-            max=n_layers,
-            description="layer",
-            layout={"width": "160px"},
-        )
-        self.scale = widgets.FloatSlider(
-            value=scale, min=-8.0, max=8.0, step=0.25, description="strength", readout_format=".2f"
-        )
-        self.norm_match = widgets.Checkbox(value=False, description="keep norms", indent=False)
-        self.max_tokens = widgets.BoundedIntText(
-            value=max_tokens, min=1, max=256, description="tokens", layout={"width": "160px"}
-        )
-        self.button = widgets.Button(description="Generate", icon="play", button_style="primary")
+        self._build_controls(layer, scale, max_tokens)
         self.header = widgets.HTML()
         self.plain_view = widgets.HTML(layout={"width": "50%"})
         self.steered_view = widgets.HTML(layout={"width": "50%"})
@@ -119,6 +104,25 @@ class SteeringPanel(widgets.VBox):
         )
         self.button.on_click(lambda _: self.work.start(self.generate))
         self.say(HINT)
+
+    def _build_controls(self, layer: int | None, scale: float, max_tokens: int) -> None:
+        """Where and how hard to steer, how far to generate, and the Generate button."""
+        n_layers = self.engine.info.n_layers
+        self.layer = widgets.BoundedIntText(
+            value=max(1, n_layers // 3) if layer is None else layer,
+            min=0,
+            max=n_layers,
+            description="layer",
+            layout={"width": "160px"},
+        )
+        self.scale = widgets.FloatSlider(
+            value=scale, min=-8.0, max=8.0, step=0.25, description="strength", readout_format=".2f"
+        )
+        self.norm_match = widgets.Checkbox(value=False, description="keep norms", indent=False)
+        self.max_tokens = widgets.BoundedIntText(
+            value=max_tokens, min=1, max=256, description="tokens", layout={"width": "160px"}
+        )
+        self.button = widgets.Button(description="Generate", icon="play", button_style="primary")
 
     def generate(self) -> Generation | None:
         """Build (or reuse) the vector, generate plain and steered, draw their diff; the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from bad_requests import CASES, IDS, PROMPT
 
 import envoykit as ek
@@ -120,9 +121,19 @@ LONG = "one two " * 400  # past tiny's 256 positions
 
 
 def test_long_prompts_are_refused_by_every_entry_point_not_by_vllm(tiny2, before):
+    steer = ek.Steer(torch.ones(tiny2.info.d_model), 2)
     for call in (
+        lambda: tiny2.lens(LONG),
+        lambda: tiny2.lens(LONG, steer=steer),
         lambda: tiny2.lens([LONG, PROMPT], compare=True, positions=[0]),
+        lambda: tiny2.lens(PROMPT, patch=ek.Patch(LONG, layer=1)),
         lambda: ek.compare((tiny2, PROMPT), (tiny2, LONG), positions=[0]),
+        lambda: ek.compare((tiny2, PROMPT), ek.Run(tiny2, PROMPT, patch=ek.Patch(LONG, 1))),
+        lambda: tiny2.patch_sweep(LONG, LONG, target_token=5),
+        lambda: tiny2.attribute(LONG, [5]),
+        lambda: tiny2.attention(LONG),
+        lambda: tiny2.steering_vector([LONG], [PROMPT], layer=2),
+        lambda: tiny2.steer_sweep(LONG, steer, scales=[0, 1], max_tokens=2),
         lambda: tiny2.generate(LONG, 4),
         lambda: tiny2.generate(PROMPT, 300),
     ):

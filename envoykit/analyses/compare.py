@@ -168,7 +168,8 @@ def _writes(run: Run, ids: list[int]) -> list[Write | Addition]:
     patches = as_patches(run.patch)
     if not patches:
         return additions
-    plan = plan_writes(engine.tokenizer, patches, ids, info.n_layers, head_shape(engine, patches))
+    heads = head_shape(engine, patches)
+    plan = plan_writes(engine.tokenizer, patches, ids, info.n_layers, heads, info.max_model_len)
     return source_writes(engine.model, engine.readout, plan, engine.exclusive) + additions
 
 

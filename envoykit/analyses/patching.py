@@ -136,9 +136,11 @@ def plan_writes(
     target_ids: Sequence[int],
     n_layers: int,
     heads: tuple[int, int] | None = None,
+    max_model_len: int | None = None,
 ) -> PatchPlan:
     """The checked plan of ``patches`` into a target of ``target_ids``; ``heads`` is the
-    model's ``(number of heads, head size)`` where its heads can be read."""
+    model's ``(number of heads, head size)`` where its heads can be read. A source longer than
+    ``max_model_len`` is refused here, before any run, not by vLLM when the source runs."""
     copies: dict[str, list[tuple[Cell, Cell]]] = {}
     direct: list[Write] = []
     n_heads, size = heads if heads is not None else (None, None)
@@ -147,7 +149,7 @@ def plan_writes(
             direct.append(_ablation(patch, n_layers, len(target_ids), n_heads, size))
             continue
         (source,) = normalise_prompts(patch.source)
-        n_source = len(token_ids(tokenizer, source))
+        n_source = len(token_ids(tokenizer, source, max_model_len))
         src = check_cell(
             patch.layer, patch.site, patch.source_position, n_layers, n_source, "source"
         )
@@ -202,6 +204,8 @@ def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell])
     writes = []
     for cell in cells:
         if cell.site == "head":
+            # A head cell has its head's number, and the walk above read the heads' layout.
+            assert cell.head is not None and size is not None
             columns = slice(cell.head * size, (cell.head + 1) * size)
             writes.append(Write(cell, head_values[cell.layer][cell.position, columns]))
             continue
@@ -272,7 +276,8 @@ def plan_for(engine: EngineSurface, req: LensRequest, patches: list[Patch | Abla
         raise InvalidRequest("a patch goes into one target prompt, not a list of them")
     ids = req.prompt_ids[0] if patches else ()
     info = engine.info
-    return plan_writes(engine.tokenizer, patches, ids, info.n_layers, head_shape(engine, patches))
+    heads = head_shape(engine, patches)
+    return plan_writes(engine.tokenizer, patches, ids, info.n_layers, heads, info.max_model_len)
 
 
 def head_shape(engine: EngineSurface, patches: Sequence[Patch | Ablate]) -> tuple[int, int] | None:

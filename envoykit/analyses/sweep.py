@@ -82,12 +82,13 @@ def build_request(
     other_token: str | int | None = None,
     batch: int = 8,
     n_heads: int | None = None,
+    max_model_len: int | None = None,
 ) -> SweepRequest:
     """Check a sweep before anything reaches the ranks (``n_heads``: the model's, where its
-    heads can be read, for ``site="head"``)."""
+    heads can be read, for ``site="head"``; prompts longer than ``max_model_len`` refused)."""
     (source,) = normalise_prompts(source)
     (target,) = normalise_prompts(target)
-    source_ids, target_ids = _same_length_ids(tokenizer, source, target)
+    source_ids, target_ids = _same_length_ids(tokenizer, source, target, max_model_len)
     for name, value in (("layers", layers), ("positions", positions)):
         if value is not None and not isinstance(value, (str, int)) and len(value) == 0:
             raise InvalidRequest(f"an empty sweep: no {name} given")
@@ -117,15 +118,16 @@ def build_request(
         if other_token is None
         else single_token_target(tokenizer, vocab, other_token),
         batch=batch,
-        heads=tuple(range(n_heads)) if site == "head" else (),
+        heads=tuple(range(n_heads)) if site == "head" and n_heads is not None else (),
     )
 
 
 def _same_length_ids(
-    tokenizer: Any, source: str, target: str
+    tokenizer: Any, source: str, target: str, max_model_len: int | None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Both prompts' token ids: a sweep copies position p into position p, so as many."""
-    source_ids, target_ids = token_ids(tokenizer, source), token_ids(tokenizer, target)
+    source_ids = token_ids(tokenizer, source, max_model_len)
+    target_ids = token_ids(tokenizer, target, max_model_len)
     if len(source_ids) != len(target_ids):
         shown = [[tokenizer.decode([i]) for i in ids] for ids in (source_ids, target_ids)]
         raise InvalidRequest(
@@ -163,7 +165,7 @@ def run(
     target_id = request.target_token.token_id
     other_id = None if request.other_token is None else request.other_token.token_id
 
-    def metrics(prompt: str, runs: Sequence[Sequence[Write]]) -> list[float]:
+    def metrics(prompt: str, runs: Sequence[Sequence[Write | Addition]]) -> list[float]:
         with guard():
             return metric_of_runs(model, readout, prompt, runs, request.metric, target_id, other_id)
 
@@ -171,7 +173,9 @@ def run(
     with guard():
         read = read_cells(model, readout, request.source, [c for g in groups for c in g])
     size = len(groups[0])
-    runs = [[*read[i * size : (i + 1) * size], *additions] for i in range(len(groups))]
+    runs: list[list[Write | Addition]] = [
+        [*read[i * size : (i + 1) * size], *additions] for i in range(len(groups))
+    ]
     (clean,) = metrics(request.target, [list(additions)])
     (source_value,) = metrics(request.source, [[]])
     values: list[float] = []
@@ -247,6 +251,7 @@ def patch_sweep(
         other_token=other_token,
         batch=batch,
         n_heads=None if isinstance(heads, str) else heads.n_heads,
+        max_model_len=info.max_model_len,
     )
     engine._require_sites([site])
     steers = steering.engine_steers(engine, steer)

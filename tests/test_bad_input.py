@@ -57,8 +57,14 @@ def test_exception_in_trace_code_reaches_the_caller(tiny2, before):
 
 @pytest.mark.parametrize(
     "option",
-    [{"generate": 2}, {"reduce_dtype": "float64"}, {"translator": object()}, {"top_k": 3}],
-    ids=["generate", "reduce_dtype", "translator", "top_k"],
+    [
+        {"generate": 2},
+        {"reduce_dtype": "float64"},
+        {"translator": object()},
+        {"top_k": 3},
+        {"keep_error": True},
+    ],
+    ids=["generate", "reduce_dtype", "translator", "top_k", "keep_error"],
 )
 def test_compare_refuses_what_it_would_drop(tiny2, option):
     """``compare=True`` compares plain lenses: an option it cannot honour is refused, not
@@ -66,6 +72,12 @@ def test_compare_refuses_what_it_would_drop(tiny2, option):
     name = next(iter(option))
     with pytest.raises(ek.InvalidRequest, match=f"compare=True does not take {name}="):
         tiny2.lens([PROMPT, "The capital of Italy is"], compare=True, **option)
+
+
+def test_keep_error_without_a_splice_is_refused_not_dropped(tiny2, before):
+    with pytest.raises(ek.InvalidRequest, match="keep_error=True goes with splice="):
+        tiny2.lens(PROMPT, keep_error=True)
+    assert_same_lens(tiny2.lens(PROMPT, top_k=3), before)
 
 
 ATTENTION_CASES = [

@@ -106,6 +106,7 @@ def lens(
             "reduce_dtype": reduce_dtype != "float32",
             "steer": steer is not None,
             "splice": splice is not None,
+            "keep_error": keep_error,
             "top_k": top_k != 10,  # (each cell's top-1 of both runs: statistics of no top-k)
         }
         dropped = [name for name, was_given in given.items() if was_given]
@@ -172,6 +173,8 @@ def build_plan(
     if additions:
         meta["steer"] = [item.describe() for item in steers]
     edit = None
+    if keep_error and splice is None:
+        raise InvalidRequest("keep_error=True goes with splice=: it keeps an SAE's error term")
     if splice is not None:
         if len(req.prompts) != 1:
             raise InvalidRequest("a splice lens runs one prompt, not a list of them")

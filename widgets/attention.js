@@ -8,7 +8,7 @@
 // its row (what it attends to) and its column (what attends to it). `data.heads` holds the
 // selected layer's per-head contributions to a target's logit, drawn as bars. Tokens are
 // arbitrary text: they reach the page only through textContent and title, never as HTML.
-// `element` comes from dom.js, which the kernel puts in front of this source.
+// `element` and `show` come from dom.js, which the kernel puts in front of this source.
 
 /**
  * The `data` traitlet.
@@ -28,10 +28,6 @@ const STRIP_H = 14;
 /** "rgba(...)" of the accent colour at opacity w (0..1): reads on light and dark themes. */
 function shade(w) {
   return `rgba(25, 118, 210, ${Math.max(0, Math.min(1, w)).toFixed(3)})`;
-}
-
-function show(token) {
-  return JSON.stringify(String(token));
 }
 
 /** One strip: the weights over the keys, left to right, on a small canvas. */

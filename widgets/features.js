@@ -5,7 +5,7 @@
 // feature is then marked, and the kernel answers with what it shows of the feature. Tokens
 // are arbitrary text: they reach the page only through textContent and title, never as HTML;
 // the kernel sends each one's label too, whitespace and control characters made visible.
-// `element` comes from dom.js, which the kernel puts in front of this source.
+// `element` and `show` come from dom.js, which the kernel puts in front of this source.
 
 /**
  * The `data` traitlet.
@@ -21,10 +21,6 @@
 // light and the dark theme alike; past STRONG its text turns white.
 const DEEPEST = 0.85;
 const STRONG = 0.55;
-
-function show(token) {
-  return JSON.stringify(String(token));
-}
 
 /** One token's column: its label, its chips, its L0. */
 function column(model, d, p) {

@@ -28,7 +28,7 @@ CASES = [
     ("target that tokenizes to nothing", dict(targets=[""]), "tokenizes to nothing"),
     ("target id outside vocab", dict(targets=[10**6]), "outside the vocabulary"),
     ("negative target id", dict(targets=[-1]), "outside the vocabulary"),
-    ("tensor as target", dict(targets=[torch.tensor(3)]), "a target is a string or a token id"),
+    ("float tensor as target", dict(targets=[torch.tensor(3.0)]), "a target is a string or a"),
     ("tensor as prompt", dict(prompt=torch.tensor([1, 2])), "prompt must be a string"),
     ("negative generate", dict(generate=-1), r"generate must be an integer >= 0"),
     ("unknown reduction dtype", dict(reduce_dtype="float16"), "reduce_dtype must be one of"),

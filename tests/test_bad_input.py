@@ -161,6 +161,29 @@ def test_numpy_integers_are_integers(tiny2, before):
     assert tiny2.generate(PROMPT, np.int64(3)).token_ids == tiny2.generate(PROMPT, 3).token_ids
 
 
+def test_numpy_arrays_are_lists_of_integers(tiny2):
+    """Integer arrays and numpy integers wherever a list of ints or an int is taken: each
+    request gives what the same request in Python ints gives."""
+    plain = tiny2.lens(PROMPT, positions=[0, -1], targets=[5], top_k=3)
+    res = tiny2.lens(PROMPT, positions=np.array([0, -1]), targets=[np.int64(5)], top_k=3)
+    np.testing.assert_array_equal(res.top_ids, plain.top_ids)
+    np.testing.assert_array_equal(res.target_probs, plain.target_probs)
+    pattern = tiny2.attention(PROMPT, layers=[1], heads=[0, 1], queries=[-1], top_k=3)
+    same = tiny2.attention(
+        PROMPT,
+        layers=np.array([1]),
+        heads=np.array([0, 1]),
+        queries=np.array([-1]),
+        top_k=np.int64(3),
+    )
+    np.testing.assert_array_equal(same.weights, pattern.weights)
+    att = tiny2.attribute(PROMPT, [5], positions=np.array([-1]))
+    np.testing.assert_array_equal(att.values, tiny2.attribute(PROMPT, [5], positions=[-1]).values)
+    patched = tiny2.lens(PROMPT, patch=ek.Patch("The capital of Italy is", layer=np.int64(1)))
+    assert patched.meta["patches"][0]["layer"] == 1
+    assert ek.LensResult.from_json(patched.to_json()).meta == patched.meta
+
+
 def test_corpus_options_are_checked_before_the_corpus_runs(tiny2):
     class Unread:
         """A corpus that fails if anything reads past its first document."""

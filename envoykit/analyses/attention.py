@@ -20,7 +20,14 @@ import numpy as np
 import torch
 
 from envoykit import _compat as compat
-from envoykit.analyses.request import check_head, normalise_layers, normalise_positions, one_prompt
+from envoykit.analyses.request import (
+    as_list,
+    check_head,
+    integer,
+    normalise_layers,
+    normalise_positions,
+    one_prompt,
+)
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
 from envoykit.model.heads import HeadLayout
@@ -68,8 +75,13 @@ def build_request(
         raise InvalidRequest("layer 0 is the embedding, which has no attention: pick layers >= 1")
     picked_heads = _heads(heads, layout.n_heads)
     picked_queries = normalise_positions(queries, len(ids)) or tuple(range(len(ids)))
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise InvalidRequest(f"top_k must be None (every key) or an integer >= 1, not {top_k!r}")
+    if top_k is not None:
+        number = integer(top_k)
+        if number is None or number < 1:
+            raise InvalidRequest(
+                f"top_k must be None (every key) or an integer >= 1, not {top_k!r}"
+            )
+        top_k = number
     kept = len(ids) if top_k is None else min(top_k, len(ids))
     returned = len(picked_layers) * len(picked_heads) * len(picked_queries) * kept * 12
     if returned > MAX_RETURNED_BYTES:
@@ -87,8 +99,7 @@ def _heads(heads: Any, n_heads: int) -> tuple[int, ...]:
     """Sorted, distinct head numbers; None is every head, negatives count from the end."""
     if heads is None:
         return tuple(range(n_heads))
-    wanted = [heads] if isinstance(heads, int) else list(heads)
-    picked = {check_head(head, n_heads, "attention") for head in wanted}
+    picked = {check_head(head, n_heads, "attention") for head in as_list(heads)}
     if not picked:
         raise InvalidRequest("no heads given: pass heads=None for every head")
     return tuple(sorted(picked))

@@ -283,7 +283,7 @@ def build_request(
 def corpus_positions(positions: Any) -> list[int]:
     """Positions of a corpus request: integers counted in each piece (negative from its
     end), checked here since pieces differ in length."""
-    picked = request.as_list(list(positions) if isinstance(positions, range) else positions)
+    picked = request.as_list(positions)
     if not picked or any(isinstance(p, bool) or not isinstance(p, int) for p in picked):
         raise InvalidRequest(
             f"positions are integers (negative from each document's end), not {positions!r}"

@@ -24,11 +24,13 @@ import torch
 
 from envoykit.analyses.patching import Patch, as_patches, head_shape, plan_writes, source_writes
 from envoykit.analyses.request import (
+    as_list,
     normalise_layers,
     normalise_positions,
     one_prompt,
     single_token_target,
 )
+from envoykit.analyses.sae import Clamp
 from envoykit.analyses.steering import Steer, as_steers, engine_steers, plan_additions
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Write, at, normalize, walk, writes_by_layer
@@ -48,13 +50,17 @@ class Run:
     engine: Any
     prompt: str
     patch: Patch | Sequence[Patch] | None = None
-    steer: Steer | Sequence[Steer] | None = None
+    steer: Steer | Clamp | Sequence[Steer | Clamp] | None = None
 
     def describe(self) -> str:
         info = self.engine.info
         patched = f", {len(as_patches(self.patch))} patch(es)" if self.patch else ""
-        steers = as_steers(self.steer)
-        steered = "".join(f", steered at layer {s.layer} x{s.scale:g}" for s in steers)
+        steered = "".join(
+            f", clamped at layer {s.layer}"
+            if isinstance(s, Clamp)
+            else f", steered at layer {s.layer} x{s.scale:g}"
+            for s in as_steers(self.steer)
+        )
         return f"{info.name} tp={info.tp} {info.dtype}: {self.prompt!r}{patched}{steered}"
 
 
@@ -97,7 +103,7 @@ def compare(
     ids = _token_ids(a, b, positions)
     picked = normalise_positions(positions, min(map(len, ids))) or tuple(range(len(ids[0])))
     rows = normalise_layers(("embed", "all") if layers is None else layers, info_b.n_layers)
-    wanted = [single_token_target(tokenizer, info_b.vocab, t) for t in _as_list(targets)]
+    wanted = [single_token_target(tokenizer, info_b.vocab, t) for t in as_list(targets)]
     writes = [_writes(run, seq) for run, seq in zip((a, b), ids)]
     rows_a = normed_rows(a.engine, a.prompt, rows, picked, writes[0])
     stats = compared_rows(b.engine, b.prompt, rows, picked, writes[1], rows_a, wanted, budget)
@@ -127,7 +133,7 @@ def _result(
     tokenizer: Any,
     ids: list[list[int]],
     picked: tuple[int, ...],
-    rows: list[int],
+    rows: Sequence[int],
     wanted: list[Any],
     stats: dict[str, np.ndarray],
 ) -> CompareResult:
@@ -156,11 +162,7 @@ def _result(
     )
 
 
-def _as_list(value: Any) -> list:
-    return [value] if isinstance(value, (str, int)) else list(value)
-
-
-def _writes(run: Run, ids: list[int]) -> list[Write | Addition]:
+def _writes(run: Run, ids: list[int]) -> Sequence[Write | Addition]:
     """The patches of ``run``, read from their sources on the run's engine, and its steers."""
     engine, info = run.engine, run.engine.info
     steers = engine_steers(engine, run.steer)
@@ -177,7 +179,7 @@ def _normed_rows(
     model: Any,
     readout: Any,
     layers: Sequence[int],
-    writes: list[Write | Addition],
+    writes: Sequence[Write | Addition],
     picked: torch.Tensor,
 ) -> torch.Tensor:
     """Inside a trace: ``[layers, positions, d_model]``, the residual stream after each of
@@ -190,7 +192,11 @@ def _normed_rows(
 
 
 def normed_rows(
-    engine: Any, prompt: str, layers: Sequence[int], positions: Sequence[int], writes: list[Write]
+    engine: Any,
+    prompt: str,
+    layers: Sequence[int],
+    positions: Sequence[int],
+    writes: Sequence[Write | Addition],
 ) -> torch.Tensor:
     """``[layers, positions, d_model]`` float32: run ``prompt`` (under the engine's guard),
     each layer's stream through the final norm, at ``positions``."""
@@ -208,7 +214,7 @@ def compared_rows(
     prompt: str,
     layers: Sequence[int],
     positions: Sequence[int],
-    writes: list[Write],
+    writes: Sequence[Write | Addition],
     rows_a: torch.Tensor,
     targets: list,
     budget: int,

@@ -37,6 +37,7 @@ import torch
 from envoykit.analyses.request import (
     SITES,
     check_head,
+    integer,
     normalise_layers,
     normalise_prompts,
     token_ids,
@@ -66,6 +67,9 @@ class Patch:
     site: str = "resid"
     head: int | None = None
 
+    def __post_init__(self) -> None:
+        python_integers(self)
+
 
 @dataclass(frozen=True)
 class Ablate:
@@ -78,9 +82,20 @@ class Ablate:
     kind: str = "zero"
     position: int | None = None
 
+    def __post_init__(self) -> None:
+        python_integers(self)
+
     @property
     def site(self) -> str:
         return "head"
+
+
+def python_integers(edit: Patch | Ablate) -> None:
+    """Hold numpy (or torch) integers as Python ints: an edit's fields go into the result's
+    meta, which is JSON, and researchers pass ``np.int64`` layers from their own arrays."""
+    for name, value in vars(edit).items():
+        if not isinstance(value, int) and integer(value) is not None:
+            object.__setattr__(edit, name, integer(value))
 
 
 @dataclass(frozen=True)

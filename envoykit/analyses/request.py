@@ -117,9 +117,10 @@ def token_ids(tokenizer: Any, text: str, max_model_len: int | None = None) -> tu
 def check_head(head: Any, n_heads: int, what: str) -> int:
     """Head ``head`` (0-based over the whole model, negative from the end) as a number in
     ``0..n_heads-1``; `InvalidRequest` naming ``what`` asked for it otherwise."""
-    if isinstance(head, bool) or not hasattr(head, "__index__"):
+    number = integer(head)
+    if number is None:
         raise InvalidRequest(f"{what} head must be an integer, not {head!r}")
-    head = operator.index(head)
+    head = number
     if not -n_heads <= head < n_heads:
         raise InvalidRequest(
             f"{what} head {head!r} is out of range: this model has {n_heads} heads "
@@ -142,18 +143,33 @@ def normalise_prompts(prompt: Any) -> tuple[str, ...]:
     return tuple(prompts)
 
 
+def integer(value: Any) -> int | None:
+    """``value`` as a Python int if it is an integer (a numpy or one-element torch integer
+    too, as researchers pass from their arrays), else None; a bool is not an integer here."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # a float, a string, a float tensor
+        return None
+
+
 def check_count(name: str, value: Any, minimum: int) -> int:
     """``value`` as an int, if it is an integer (a numpy one too) of at least ``minimum``."""
-    whole = not isinstance(value, bool) and hasattr(value, "__index__")
-    if not whole or operator.index(value) < minimum:
+    whole = integer(value)
+    if whole is None or whole < minimum:
         raise InvalidRequest(f"{name} must be an integer >= {minimum}, not {value!r}")
-    return operator.index(value)
+    return whole
 
 
 def as_list(value: Any) -> list:
+    """``value`` as a list: a string or an integer is a list of one; a list, tuple or range
+    its items; a numpy array or scalar, or a tensor, its items as Python values."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
     if isinstance(value, (str, int)):
         return [value]
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, range)):
         return list(value)
     raise InvalidRequest(
         f"expected a string, an integer or a list of them, not {type(value).__name__}"
@@ -168,19 +184,17 @@ def normalise_layers(layers: LayerSpec, n_layers: int) -> tuple[int, ...]:
     """
     if layers is None or (isinstance(layers, str) and layers == "all"):
         return tuple(range(1, n_layers + 1))
-    if hasattr(layers, "tolist"):  # a numpy array or integer, or a tensor
-        layers = layers.tolist()
     picked = set()
-    for layer in as_list(list(layers) if isinstance(layers, range) else layers):
+    for layer in as_list(layers):
         if isinstance(layer, str) and layer == "embed":
             picked.add(0)
             continue
         if isinstance(layer, str) and layer == "all":
             picked.update(range(1, n_layers + 1))
             continue
-        if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+        layer = integer(layer) if integer(layer) is not None else layer
+        if isinstance(layer, bool) or not isinstance(layer, int):
             raise InvalidRequest(f"a layer is an integer, 'embed' or 'all', not {layer!r}")
-        layer = operator.index(layer)
         number = layer + n_layers + 1 if layer < 0 else layer
         if not 0 <= number <= n_layers:
             raise InvalidRequest(
@@ -226,7 +240,8 @@ def normalise_positions(positions: Any, length: int) -> tuple[int, ...] | None:
     if positions is None:
         return None
     picked = set()
-    for pos in as_list(list(positions) if isinstance(positions, range) else positions):
+    for pos in as_list(positions):
+        pos = integer(pos) if integer(pos) is not None else pos
         if isinstance(pos, bool) or not isinstance(pos, int) or not -length <= pos < length:
             raise InvalidRequest(
                 f"position {pos!r} is outside the prompt: it has {length} tokens "
@@ -239,7 +254,9 @@ def normalise_positions(positions: Any, length: int) -> tuple[int, ...] | None:
 
 
 def _target(tokenizer: Any, vocab: int, target: Any) -> Target:
-    """A target token: an id, or the first token of a string's tokenization."""
+    """A target token: an id (a numpy integer too), or the first token of a string's
+    tokenization."""
+    target = integer(target) if integer(target) is not None else target
     if isinstance(target, bool) or not isinstance(target, (str, int)):
         raise InvalidRequest(f"a target is a string or a token id, not {type(target).__name__}")
     if isinstance(target, int):

@@ -89,7 +89,10 @@ class AttentionPanel(widgets.VBox):
         if query not in res.queries:
             raise ValueError(f"query {query} is not in this result: {res.queries.tolist()}")
         self.result, self.query, self._whole = res, int(query), {}
-        self._attribution = None if attribution is None else (attribution, int(target))
+        self._attribution = None
+        if attribution is not None:
+            assert target is not None  # the bars are the heads' contributions to ``target``
+            self._attribution = (attribution, int(target))
         layer = int(res.layers[0]) if layer is None else int(layer)
         row = int(np.flatnonzero(res.queries == query)[0])
         li = int(np.flatnonzero(res.layers == layer)[0])
@@ -137,7 +140,9 @@ class AttentionPanel(widgets.VBox):
             self._head(str(err), error=True)
 
     def _draw(self) -> None:
-        res, selected = self.result, self.view.selected
+        res, query, selected = self.result, self.query, self.view.selected
+        if res is None or query is None:
+            return  # a message took the view's place since the click that asked for this
         bars = None
         if self._attribution is not None and selected is not None:
             att, target = self._attribution
@@ -149,7 +154,7 @@ class AttentionPanel(widgets.VBox):
             whole = self._whole_pattern(int(selected[0]), int(selected[1]))
             if whole is None:
                 selected = None
-        self.view.data = attention_data(res, self.query, selected, bars, whole)
+        self.view.data = attention_data(res, query, selected, bars, whole)
 
     def _whole_pattern(self, layer: int, head: int) -> AttentionResult | None:
         """Head ``head`` of ``layer`` at every query, asked of ``fetch`` once per head."""

@@ -52,15 +52,16 @@ class AttributionPanel(widgets.VBox):
 
         n_layers = int(att.component_layers.max())
         # Wide enough for the plot's title even with a few layers, as wide as a cell allows.
-        ax = Figure(figsize=(min(max(7.0, 4.0 + 0.32 * n_layers), 12.0), 3.6)).subplots()
+        figure = Figure(figsize=(min(max(7.0, 4.0 + 0.32 * n_layers), 12.0), 3.6))
+        ax = figure.subplots()
         plot.attribution(att, target, position=0, ax=ax)
         ax.axvspan(layer - 0.5, layer + 0.5, color="C3", alpha=0.12, label=f"row {row}")
         ax.legend(loc="best", fontsize=8)
-        ax.figure.tight_layout()
+        figure.tight_layout()
         token = att.target_tokens[att.target_index(target)]
         what = f"logit({token!r}) at position {int(att.positions[0])} ({att.tokens[0]!r})"
-        self.result, self.figure = att, ax.figure
-        self.view.outputs = (figure_output(ax.figure, f"direct logit attribution of {what}"),)
+        self.result, self.figure = att, figure
+        self.view.outputs = (figure_output(figure, f"direct logit attribution of {what}"),)
         self._head(
             f"what the embedding and each layer's attention and MLP add to {what}; "
             f"the layer of row {row} is shaded"

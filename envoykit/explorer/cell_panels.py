@@ -14,15 +14,19 @@ drawn again without asking the engine.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envoykit.analyses.attribution import HEADS_DO_NOT_ADD_UP
 from envoykit.errors import InvalidRequest
 from envoykit.explorer.outputs import failure
+from envoykit.explorer.state import ExplorerState
 from envoykit.results.attribution import AttributionResult
 
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
 
-class CellPanels:
+
+class CellPanels(ExplorerState):
     """Mixed into `LensExplorer`: ``attribution`` and its figure, and the attribution and
     attention runs of the selected cell (`_draw_cell`)."""
 
@@ -72,7 +76,7 @@ class CellPanels:
         row, column = self.heatmap.selected
         prompt, position = shown.prompt, int(shown.positions[column])
         layer, label = int(shown.layers[row]), shown.layer_labels[row]
-        att = panel.result
+        engine, att = self.engine, panel.result
         if (
             att is not None
             and att.prompt == prompt
@@ -85,7 +89,7 @@ class CellPanels:
 
         def attribute() -> None:
             try:
-                fresh = self._attribute(prompt, target, position)
+                fresh = _attribute(engine, prompt, target, position)
             except Exception as err:  # on the cells' thread: said here, or nowhere
                 line, details = failure(err)
                 panel.say(line, error=True, details=details)
@@ -93,19 +97,6 @@ class CellPanels:
             panel.show(fresh, target, layer=layer, row=label)
 
         return attribute
-
-    def _attribute(self, prompt: str, target: int, position: int) -> AttributionResult:
-        """The attribution at one position, split into heads where the model allows it (the
-        attention panel draws the heads); else by layer only. Only the refusals of the head
-        split fall back: any other refusal is the attribution's own, and is said."""
-        if isinstance(self.engine.readout.heads, str):  # no head layout here
-            return self.engine.attribute(prompt, [target], positions=[position])
-        try:
-            return self.engine.attribute(prompt, [target], positions=[position], heads=True)
-        except InvalidRequest as err:
-            if HEADS_DO_NOT_ADD_UP not in str(err):
-                raise
-            return self.engine.attribute(prompt, [target], positions=[position])
 
     def _draw_attention(self) -> Callable[[], None] | None:
         """What the selected cell's position attends to at every layer and head, opened at
@@ -144,14 +135,33 @@ class CellPanels:
                 return
             panel.fetch = lambda layer, head: engine.attention(prompt, layers=[layer], heads=[head])
             att = self.attribution_panel.result
-            usable = att is not None and att.head_values is not None and att.prompt == prompt
-            usable = usable and att.positions.tolist() == [position]
+            if (
+                att is None
+                or att.head_values is None
+                or att.prompt != prompt
+                or att.positions.tolist() != [position]
+            ):
+                att = None  # the heads' bars are of this prompt's position only
             panel.show(
                 res,
                 position,
                 layer=layer,
-                attribution=att if usable else None,
-                target=int(att.target_ids[0]) if usable else None,
+                attribution=att,
+                target=None if att is None else int(att.target_ids[0]),
             )
 
         return attend
+
+
+def _attribute(engine: EngineSurface, prompt: str, target: int, position: int) -> AttributionResult:
+    """The attribution at one position, split into heads where the model allows it (the
+    attention panel draws the heads); else by layer only. Only the refusals of the head
+    split fall back: any other refusal is the attribution's own, and is said."""
+    if isinstance(engine.readout.heads, str):  # no head layout here
+        return engine.attribute(prompt, [target], positions=[position])
+    try:
+        return engine.attribute(prompt, [target], positions=[position], heads=True)
+    except InvalidRequest as err:
+        if HEADS_DO_NOT_ADD_UP not in str(err):
+            raise
+        return engine.attribute(prompt, [target], positions=[position])

@@ -21,12 +21,13 @@ from envoykit.analyses.patching import Patch
 from envoykit.errors import InvalidRequest
 from envoykit.explorer.compare_panel import drop_patch
 from envoykit.explorer.outputs import failure
+from envoykit.explorer.state import ExplorerState
 from envoykit.results.compare import CompareResult
 from envoykit.results.lens import LensResult
 from envoykit.results.sweep import SweepResult
 
 
-class CompareMode:
+class CompareMode(ExplorerState):
     """Mixed into `LensExplorer`: ``comparison``, ``patch`` and ``sweep``, `patch_cell` and
     `run_sweep`, the compare box, drops and the diff drawn after each lens."""
 
@@ -67,6 +68,7 @@ class CompareMode:
         except InvalidRequest as err:
             self._say(str(err), True)
             return None
+        assert self._request is not None  # set with the result by the Run that lensed it
         return self._lens({**self._request, "patch": patch}, self._rows, self._other)
 
     def run_sweep(self) -> SweepResult | None:
@@ -86,6 +88,7 @@ class CompareMode:
             panel.say("type or pin a target: the sweep measures its probability", error=True)
             return None
         layers = sorted(set(self.result.layers.tolist()))
+        assert self._request is not None  # set with the second prompt by the Run that lensed it
         return panel.run(
             self.engine, self._other, self._request["prompt"], layers=layers, target_token=target
         )
@@ -141,6 +144,9 @@ class CompareMode:
         if self.other_result is None:
             panel.clear()
             return
+        # The second prompt's lens comes from a Run on the engine, with the first's.
+        assert self.engine is not None and self.result is not None and self._other is not None
+        assert self._request is not None
         panel.show_source(self.other_result)
         panel.source.metric = self.heatmap.metric
         panel.source.pinned = list(self.heatmap.pinned)

@@ -16,8 +16,9 @@ The explorer's jobs are parts of one class, each in a module of its own: `runner
 `cell_panels` (`CellPanels`: a cell's attribution and attention). They are mixed in rather
 than held as objects because they share one state — the lens shown, the request it answers,
 the second prompt's, the pins — which every one of them reads and a lens replaces at once.
-This module holds that state, wires every event to its part (`_connect`), and draws a lens
-(`_show`) with the inputs that are no part's own: targets, metric and colour limits.
+This module sets that state (`state` declares it, for the parts to be checked against), wires
+every event to its part (`_connect`), and draws a lens (`_show`) with the inputs that are no
+part's own: targets, metric and colour limits.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import ipywidgets as widgets
 import traitlets
 
 from envoykit import plot
-from envoykit.analyses.request import Row, describe_target
+from envoykit.analyses.request import describe_target
 from envoykit.analyses.sae import SAE
 from envoykit.analyses.tuned import TunedLens
 from envoykit.errors import InvalidRequest
@@ -90,17 +91,17 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
     ) -> None:
         readonly = isinstance(source, LensResult)
         self.engine = None if readonly else source
-        self.result: LensResult | None = source if readonly else None
-        self.other_result: LensResult | None = None
-        self.trajectory_figure: Any = None
-        self.trajectory_targets: list[str] = []
-        self._request: dict[str, Any] | None = None
-        self._rows: list[Row] = []
-        # The second prompt of what is shown, and the lens request its heatmap answers.
-        self._other: str | None = None
-        self._other_request: dict[str, Any] | None = None
-        self._pace: float | None = None  # seconds per row x position of the last Run
-        self._cancelling = threading.Event()  # Cancel was pressed during the Run in flight
+        # The state the parts share, declared (with what each holds) in `ExplorerState`.
+        self.result = source if readonly else None
+        self.other_result = None
+        self.trajectory_figure = None
+        self.trajectory_targets = []
+        self._request = None
+        self._rows = []
+        self._other = None
+        self._other_request = None
+        self._pace = None
+        self._cancelling = threading.Event()
         super().__init__(
             _picker(source),
             prompt=source.prompt if readonly else prompt,
@@ -110,7 +111,7 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
             metric_options=self._metric_options(),
             readonly=readonly,
         )
-        self.translator: TunedLens | None = None
+        self.translator = None
         if translator is not None:
             self.set_translator(translator)
         self._connect()
@@ -194,8 +195,10 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         appears; Run uses the lens it shows)."""
         self.translator = translator
         self.lens_kind.layout.display = None
-        if getattr(self, "corpus_panel", None) is not None:
-            self.corpus_panel.translator = translator
+        # None read-only, and not made yet when __init__ offers a translator.
+        corpus_panel = getattr(self, "corpus_panel", None)
+        if corpus_panel is not None:
+            corpus_panel.translator = translator
 
     def export(self, path: str | Path) -> Path:
         """Save what is shown: ``.png``/``.svg`` (matplotlib heatmap of the current metric),
@@ -252,9 +255,12 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         patch = self.patch
         cell = None if patch is None else patched_cell(shown, patch)
         self.heatmap.data = heatmap_data(shown, marks=[cell] if cell else [])
-        self.patch_note.value = (
-            "" if patch is None else message_html(describe_patch(self.other_result, patch, shown))
-        )
+        note = ""
+        if patch is not None:
+            # A patch is a cell of the second prompt's lens, which stays while the patch does.
+            assert self.other_result is not None
+            note = message_html(describe_patch(self.other_result, patch, shown))
+        self.patch_note.value = note
         value = self.metric.value
         self.metric.options = self._metric_options()
         self.metric.value = value if value in self._metric_keys() else "prob"

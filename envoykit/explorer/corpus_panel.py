@@ -82,8 +82,8 @@ class CorpusPanel(widgets.VBox):
         )
         self.button = widgets.Button(description="Run corpus", icon="play")
         self.cancel_button = widgets.Button(description="Cancel", icon="stop", disabled=True)
-        self.cancel_button.on_click(lambda _: self._cancel.set())
         self._cancel = threading.Event()
+        self.cancel_button.on_click(lambda _: self._cancel.set())
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="tokens", layout={"width": "320px"}
         )
@@ -154,8 +154,9 @@ class CorpusPanel(widgets.VBox):
             return None
         finally:
             self.button.disabled, self.cancel_button.disabled = False, True
-        self.show(*found, took=time.monotonic() - began)
-        return found[0]
+        result, tuned = found[0], (found[1] if len(found) > 1 else None)
+        self.show(result, tuned, took=time.monotonic() - began)
+        return result
 
     def show(
         self,

@@ -73,7 +73,7 @@ def standalone_html(
     state in the page (``widgets/standalone.js``); a metric menu replaces the explorer's
     dropdown. The page follows the reader's light or dark colour scheme.
     """
-    state = {
+    state: dict[str, Any] = {
         "data": heatmap_data(res),
         "metric": metric,
         "selected": None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,7 @@ def chips_data(res: FeatureResult) -> dict[str, Any]:
 
 
 def token_row(
-    tokens: Sequence[str], values: Sequence[float], top: float, focus: int | None = None
+    tokens: Sequence[str], values: Iterable[float], top: float, focus: int | None = None
 ) -> str:
     """Tokens in a row, each shaded by its value's share of ``top``; ``focus`` (an index)
     outlined. Each carries its value in ``data-act``."""

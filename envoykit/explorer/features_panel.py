@@ -326,14 +326,15 @@ def histogram(feature: int, edges: np.ndarray, counts: np.ndarray) -> Any:
     """A feature's activations over a corpus as a histogram, on a bare matplotlib figure."""
     from matplotlib.figure import Figure
 
-    ax = Figure(figsize=(5.0, 2.2)).subplots()
+    figure = Figure(figsize=(5.0, 2.2))
+    ax = figure.subplots()
     ax.stairs(counts, edges, fill=True, color="tab:orange")
     ax.set_xlabel("activation", fontsize=8)
     ax.set_ylabel("tokens", fontsize=8)
     ax.set_title(f"feature {feature}: its activations over the corpus", fontsize=9)
     ax.tick_params(labelsize=8)
-    ax.figure.tight_layout()
-    return ax.figure
+    figure.tight_layout()
+    return figure
 
 
 def _misfit(engine: Any, sae: Any) -> str:

@@ -29,6 +29,8 @@ class ExplorerLayout(widgets.VBox):
     ``readonly`` (a stored result) disables every input that would ask an engine.
     """
 
+    children: tuple[widgets.Widget, ...]  # the Box's trait (ipywidgets is not typed)
+
     def __init__(
         self,
         picker: LayerPicker,

@@ -13,7 +13,7 @@ matplotlib heatmap draws, the diff's (`JS`, `delta_metric`) those ``plot.compare
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -192,7 +192,7 @@ def attention_data(
     res: AttentionResult,
     query: int,
     selected: Sequence[int] | None = None,
-    contributions: tuple[int, str, Sequence[float]] | None = None,
+    contributions: tuple[int, str, Iterable[float]] | None = None,
     whole: AttentionResult | None = None,
 ) -> dict[str, Any]:
     """What the attention view draws (the ``AttentionData`` typedef at the top of

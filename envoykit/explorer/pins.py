@@ -17,10 +17,11 @@ import ipywidgets as widgets
 import numpy as np
 
 from envoykit.explorer.outputs import message_html
+from envoykit.explorer.state import ExplorerState
 from envoykit.results.lens import LensResult
 
 
-class Pins:
+class Pins(ExplorerState):
     """Mixed into `LensExplorer`: what a change of ``heatmap.pinned`` does, the chips that
     unpin, and `_focus_target`, the token the attribution and the sweep follow."""
 
@@ -53,9 +54,10 @@ class Pins:
 
     def _follow_pins(self) -> None:
         """The lens shown again with the pins as they are now (on the lens's thread)."""
-        if self._pins_need_a_lens():
-            typed = [t for t in self._request["targets"] if isinstance(t, str)]
-            request = {**self._request, "targets": self._targets_with_pins(typed)}
+        asked = self._request
+        if asked is not None and self._pins_need_a_lens():
+            typed = [t for t in asked["targets"] if isinstance(t, str)]
+            request = {**asked, "targets": self._targets_with_pins(typed)}
             self._lens(request, self._rows, self._other)
         elif self.result is not None:
             self._show_pins()
@@ -64,6 +66,7 @@ class Pins:
 
     def _targets_with_pins(self, typed: list[str]) -> list[str | int]:
         """Typed targets, then the pinned token ids that are not already one of them."""
+        assert self.engine is not None  # targets are tokenized only to ask the engine
         tokenizer = self.engine.tokenizer
         typed_ids = {
             ids[0]
@@ -102,6 +105,7 @@ class Pins:
         if self.engine is not None:
             return self.engine.tokenizer.decode([int(token_id)])
         res = self.result
+        assert res is not None  # read-only, the stored result is always there
         for ids, tokens in ((res.target_ids, res.target_tokens), (res.top_ids, res.top_tokens)):
             found = np.flatnonzero(np.asarray(ids).ravel() == token_id)
             if len(found):

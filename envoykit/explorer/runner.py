@@ -19,18 +19,22 @@ from __future__ import annotations
 import html
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envoykit.analyses.request import Row
 from envoykit.errors import Cancelled
 from envoykit.explorer import rows
 from envoykit.explorer.layout import typed_targets
 from envoykit.explorer.outputs import ENGINE_ERRORS
+from envoykit.explorer.state import ExplorerState
 from envoykit.explorer.work import Ticker, duration
 from envoykit.results.lens import LensResult
 
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
 
-class LensRuns:
+
+class LensRuns(ExplorerState):
     """Mixed into `LensExplorer`: `run`, `wait` and `cancel`, and the lens they share with
     pins and drops (`_lens`). Draws what a lens returns with the explorer's `_show` and
     `_show_comparison`."""
@@ -89,8 +93,8 @@ class LensRuns:
         was cancelled. Whether a Run was in flight."""
         self.work.drop_waiting()
         self.cells.drop_waiting()
-        run = self.work.thread
-        if self.engine is None or run is None or not run.is_alive():
+        engine, run = self.engine, self.work.thread
+        if engine is None or run is None or not run.is_alive():
             return False
         self._cancelling.set()
         self.status.value = "<i>cancelling…</i>"
@@ -99,7 +103,7 @@ class LensRuns:
         # tokenized) waits for it: `engine.cancel` stops only a lens in flight. It stops
         # this Run's lens only (its thread's), and gives up once the Run has ended.
         def until_cancelled() -> None:
-            while self._cancelling.is_set() and run.is_alive() and not self.engine.cancel(run):
+            while self._cancelling.is_set() and run.is_alive() and not engine.cancel(run):
                 time.sleep(0.02)
 
         threading.Thread(target=until_cancelled, name="envoykit-cancel", daemon=True).start()
@@ -111,12 +115,14 @@ class LensRuns:
         """Run ``request`` (`Engine.lens`'s arguments, a patch included) and keep the
         ``picked`` rows; with a second prompt ``other``, lens it too (unpatched, reused when
         its request is unchanged) and draw the diff."""
+        engine = self.engine
+        assert engine is not None  # a Run, a pin or a drop asks for a lens only with an engine
         self.run_button.disabled, self.cancel_button.disabled = True, False
         self.run_button.description = "Running…"
         self._say("")  # the last run's message is not about this one
-        cells = self._cells(request, picked, other)
+        cells = _cells(engine, request, picked, other)
         expected = None if self._pace is None else self._pace * cells
-        name = html.escape(self.engine.info.name)
+        name = html.escape(engine.info.name)
 
         def say(elapsed: float) -> None:
             if self._cancelling.is_set():
@@ -136,11 +142,12 @@ class LensRuns:
             began = time.monotonic()
             with Ticker(say):  # stopped before anything else is said in the status line
                 try:
-                    outcome = self._lenses(request, picked, other)
+                    outcome = self._lenses(engine, request, picked, other)
                 finally:
                     self._cancelling.clear()
             if isinstance(outcome, str):
-                return self._refused(outcome)
+                self._refused(outcome)
+                return None
             took = time.monotonic() - began
             self._pace = took / cells
             result, other_result, other_request = outcome
@@ -162,12 +169,17 @@ class LensRuns:
             self.run_button.description = "Run"
 
     def _lenses(
-        self, request: dict[str, Any], picked: list[Row], other: str | None
+        self,
+        engine: EngineSurface,
+        request: dict[str, Any],
+        picked: list[Row],
+        other: str | None,
     ) -> tuple[LensResult, LensResult | None, dict[str, Any] | None] | str:
-        """The lens of ``request`` and, with a second prompt ``other``, of that one (reused
-        when its request is unchanged), with the ``picked`` rows; or why not, to say."""
+        """The lens of ``request`` on ``engine`` and, with a second prompt ``other``, of that
+        one (reused when its request is unchanged), with the ``picked`` rows; or why not, to
+        say."""
         try:
-            result = rows.keep(self.engine.lens(**request), picked)
+            result = rows.keep(engine.lens(**request), picked)
         except Cancelled:
             return "cancelled: the lens was stopped on the ranks"
         except ENGINE_ERRORS as err:
@@ -183,19 +195,12 @@ class LensRuns:
                 return "cancelled before the second prompt's lens"
             else:
                 try:
-                    other_result = rows.keep(self.engine.lens(**other_request), picked)
+                    other_result = rows.keep(engine.lens(**other_request), picked)
                 except Cancelled:
                     return "cancelled: the second prompt's lens was stopped on the ranks"
                 except ENGINE_ERRORS as err:
                     return f"second prompt: {err}"
         return result, other_result, other_request
-
-    def _cells(self, request: dict[str, Any], picked: list[Row], other: str | None) -> int:
-        """How many rows × positions a Run of ``request`` reduces (the pace of the last Run,
-        in seconds per cell, gives the time left of the next)."""
-        prompts = [request["prompt"]] + ([other] if other else [])
-        tokens = sum(len(self.engine.tokenizer(text)["input_ids"]) for text in prompts)
-        return max(1, len(picked) * tokens)
 
     def _refused(self, text: str, details: str = "") -> None:
         """Say why the run was refused (``details``: a bug's traceback, folded); what is
@@ -217,3 +222,13 @@ def _other_request(request: dict[str, Any], other: str | None) -> dict[str, Any]
     if other is None:
         return None
     return {**{k: v for k, v in request.items() if k != "patch"}, "prompt": other}
+
+
+def _cells(
+    engine: EngineSurface, request: dict[str, Any], picked: list[Row], other: str | None
+) -> int:
+    """How many rows × positions a Run of ``request`` reduces (the pace of the last Run, in
+    seconds per cell, gives the time left of the next)."""
+    prompts = [request["prompt"]] + ([other] if other else [])
+    tokens = sum(len(engine.tokenizer(text)["input_ids"]) for text in prompts)
+    return max(1, len(picked) * tokens)

@@ -65,8 +65,8 @@ class SweepPanel(widgets.VBox):
             disabled=True,
             tooltip="stop the sweep after the row in flight",
         )
-        self.cancel_button.on_click(lambda _: self._cancel.set())
         self._cancel = threading.Event()
+        self.cancel_button.on_click(lambda _: self._cancel.set())
         self.work = Background(
             "envoykit-sweep",
             lambda why, details: self.say(f"the sweep failed: {why}", error=True, details=details),
@@ -122,12 +122,14 @@ class SweepPanel(widgets.VBox):
                     return None
                 row, done = f"layer {layer}: row {len(parts) + 1} of {len(layers)}", len(parts)
                 so_far = time.monotonic() - began
+
+                def say(
+                    elapsed: float, row: str = row, done: int = done, so_far: float = so_far
+                ) -> None:
+                    self._head(f"{row}; {time_left(so_far + elapsed, done, len(layers))}")
+
                 try:
-                    with Ticker(
-                        lambda elapsed, row=row, done=done, so_far=so_far: self._head(
-                            f"{row}; {time_left(so_far + elapsed, done, len(layers))}"
-                        )
-                    ):
+                    with Ticker(say):
                         part = engine.patch_sweep(
                             source,
                             target,

@@ -118,6 +118,7 @@ class TrainingPanel(widgets.VBox):
         self.progress.value = self.progress.max
         self.tuned = tuned
         self._on_trained(tuned)
+        assert tuned.quality is not None  # `TunedLens.train` measures it on held-out text
         self.say(describe(tuned, time.monotonic() - began), error=tuned.quality.better < 0.5)
         return tuned
 
@@ -133,8 +134,10 @@ class TrainingPanel(widgets.VBox):
 def describe(tuned: TunedLens, took: float) -> str:
     """What a training gave, in one line: steps, time, a Cancel, and where it beats the
     logit lens on held-out text."""
-    n = len(tuned.quality.layers)
-    better = round(tuned.quality.better * n)
+    quality = tuned.quality
+    assert quality is not None  # `TunedLens.train` measures it on held-out text
+    n = len(quality.layers)
+    better = round(quality.better * n)
     stopped = "stopped by Cancel after " if tuned.model.get("stopped") else ""
     return (
         f"{stopped}{tuned.model['steps']} steps in {duration(took)}: closer to the final "

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from envoykit import plot
 from envoykit.explorer.outputs import figure_output, text_output
+from envoykit.explorer.state import ExplorerState
 
 
-class TrajectoryView:
+class TrajectoryView(ExplorerState):
     """Mixed into `LensExplorer`: `_draw_trajectory`, which sets ``trajectory_figure`` and
     ``trajectory_targets`` (the labels drawn) and the ``trajectory`` output."""
 

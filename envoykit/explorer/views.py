@@ -23,6 +23,12 @@ from envoykit.results.lens import LensResult
 # "": no dragging; "source": cells can be dragged out; "target": takes drops of its group.
 DRAG_ROLES = ("", "source", "target")
 
+# The List and Dict traits below made with ``allow_none=True``, typed as what they hold:
+# traitlets types a List or a Dict as never None (their constructors lack the ``allow_none``
+# overloads of its other traits), hence the ignore where each is made.
+_CellTrait = traitlets.TraitType[list[int] | None, list[int] | None]
+_DictTrait = traitlets.TraitType[dict[str, Any] | None, dict[str, Any] | None]
+
 
 def _is_cell(cell: Any) -> bool:
     """Whether ``cell`` is ``[layer_index, position_index]``: two non-negative integers."""
@@ -53,11 +59,11 @@ class Heatmap(anywidget.AnyWidget):
     _css = asset("explorer.css")
     data = traitlets.Dict().tag(sync=True)
     metric = traitlets.Unicode("prob").tag(sync=True)
-    selected = traitlets.List(default_value=None, allow_none=True).tag(sync=True)
+    selected: _CellTrait = traitlets.List(default_value=None, allow_none=True).tag(sync=True)  # type: ignore[assignment]
     pinned = traitlets.List(traitlets.Int()).tag(sync=True)
     drag_role = traitlets.Enum(DRAG_ROLES, default_value="").tag(sync=True)
     drag_group = traitlets.Unicode("").tag(sync=True)
-    drop = traitlets.Dict(default_value=None, allow_none=True).tag(sync=True)
+    drop: _DictTrait = traitlets.Dict(default_value=None, allow_none=True).tag(sync=True)  # type: ignore[assignment]
     # The colour scale's limits as set by a person ({"vmin", "vmax": a number or None for
     # the metric's own, "log": bool}); {} draws with the metric's.
     limits = traitlets.Dict().tag(sync=True)
@@ -160,7 +166,7 @@ class AttentionView(anywidget.AnyWidget):
     _esm = module("attention.js")
     _css = asset("explorer.css")
     data = traitlets.Dict().tag(sync=True)
-    selected = traitlets.List(default_value=None, allow_none=True).tag(sync=True)
+    selected: _CellTrait = traitlets.List(default_value=None, allow_none=True).tag(sync=True)  # type: ignore[assignment]
 
 
 class FeatureChips(anywidget.AnyWidget):

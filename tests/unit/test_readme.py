@@ -1,6 +1,7 @@
-"""The README's Python examples are Python that ruff accepts: each fenced ``python`` block
-compiles and passes ``ruff check`` (the README's own layout of aligned comments is kept, so
-ruff's formatter is not applied to them)."""
+"""The Python examples of the README and of docs/ are Python that ruff accepts: each fenced
+``python`` block compiles and passes ``ruff check`` (the pages' own layout of aligned comments
+is kept, so ruff's formatter is not applied to them). ``tests/test_doc_examples.py`` runs them
+on engines; this checks every block with none, those it leaves out (its ``NOT_RUN``) too."""
 
 from __future__ import annotations
 

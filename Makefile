@@ -1,7 +1,7 @@
 # Two commands set everything up on a fresh machine and reuse what exists on a second run:
 #   make demo   - environment, demo model, then a logit lens on a multi-rank engine
-#   make test   - environment, browser for the widget tests, lint, the documentation site
-#                 (strict), then the whole test suite
+#   make test   - environment, browser for the widget tests, lint, types (mypy), the
+#                 documentation site (strict), then the whole test suite
 # and one for the edit loop:
 #   make test-fast - the tests that start no vLLM engine (request validation, LensResult,
 #                    the lens's reductions and chunking, checkpoint order, doctests), in
@@ -49,6 +49,7 @@ browser:
 test: $(INSTALLED) browser
 	$(VENV)/bin/ruff check envoykit tests bench notebooks
 	$(VENV)/bin/ruff format --check envoykit tests bench notebooks
+	$(VENV)/bin/mypy
 	$(MAKE) --no-print-directory docs
 	$(VENV)/bin/pytest
 

@@ -240,7 +240,9 @@ def forkserver_pid() -> int | None:
     """The process id of this process's multiprocessing fork server, if one runs."""
     from multiprocessing import forkserver
 
-    return forkserver._forkserver._forkserver_pid
+    # The server's private record, which typeshed leaves out.
+    forkserver_state: Any = forkserver._forkserver
+    return forkserver_state._forkserver_pid
 
 
 def close_forkserver_alive_fd() -> None:
@@ -249,5 +251,6 @@ def close_forkserver_alive_fd() -> None:
     import os
     from multiprocessing import forkserver
 
-    os.close(forkserver._forkserver._forkserver_alive_fd)
-    forkserver._forkserver._forkserver_alive_fd = None
+    forkserver_state: Any = forkserver._forkserver  # private: typeshed leaves it out
+    os.close(forkserver_state._forkserver_alive_fd)
+    forkserver_state._forkserver_alive_fd = None

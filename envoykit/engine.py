@@ -45,6 +45,8 @@ from envoykit.runtime.janitor import Janitor
 from envoykit.runtime.rank_watch import RankWatch, wake_waiting_client
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from envoykit.analyses.sae import SAE
     from envoykit.analyses.tuned import TunedLens
 
@@ -110,7 +112,7 @@ class EngineLifetime:
         self._sae_bytes: dict[str, list[int]] = {}  # key -> what each rank holds of it
         self._processes: list[Any] = []
         self._finalizer: weakref.finalize | None = None
-        self.log_file = None
+        self.log_file: Path | None = None
         self.scratch: str | None = None  # the engine's own temporary directory (its TMPDIR)
         self._start()
 
@@ -338,9 +340,11 @@ class Engine(EngineLifetime, EngineSurface):
             self._checks = selfcheck.run(self)
 
     def _raise_cancel_flag(self, key: str) -> None:
+        assert self.scratch is not None  # a lens in flight runs on a started engine
         raise_flag(self.scratch, key)
 
     def _lower_cancel_flag(self, key: str) -> None:
+        assert self.scratch is not None  # a lens in flight runs on a started engine
         lower_flag(self.scratch, key)
 
     def _announce(self) -> None:

@@ -341,6 +341,8 @@ def test_logit_effects_equal_the_reference(tiny_engines, tp):
             getattr(res, f"{side}_logits"), sign * best.values.numpy(), atol=1e-4
         )
     assert res.of(200)["up"][0][0] == engine.tokenizer.decode([int(res.top_ids[1, 0])])
+    single = engine.feature_logits(sae, np.int64(200), k=5)  # a numpy integer: one feature
+    np.testing.assert_array_equal(single.top_ids, res.top_ids[1:])
 
 
 def test_splice_lens_with_generation(tiny2):

@@ -178,7 +178,7 @@ def lens_corpus(
     if not len(counts):
         raise InvalidRequest("the corpus tokenizes to no tokens: its documents are all empty")
     return CorpusLensResult(
-        layers=picked,
+        layers=np.array(picked),
         top_k=top_k,
         document_sums=sums,
         document_counts=counts,

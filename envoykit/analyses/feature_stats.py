@@ -234,8 +234,7 @@ def _trace(
 
 def _resumed(writer: StatsWriter | None, req: StatsRequest) -> Running:
     """The running statistics a store holds, or new ones."""
-    stored = writer.state() if writer is not None else None
-    if stored is None:
+    if writer is None or (stored := writer.state()) is None:
         return Running.empty(req.sae.d_sae, req.contexts, req.window)
     arrays = {name: stored[name].copy() for name in ARRAYS}
     return Running(arrays, int(writer.index["tokens"]), int(writer.index["documents"]))

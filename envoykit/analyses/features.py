@@ -374,8 +374,10 @@ def feature_logits(
     logit effects), computed on the ranks against their vocabulary slices: a
     `FeatureLogitsResult`."""
     (sae,) = as_saes(sae)
-    many = isinstance(features, (list, tuple, range)) or hasattr(features, "__array__")
-    ids = [sae.check_feature(f) for f in (features if many else [features])]
+    # A numpy integer has __array__ too, and is one feature: many means one dimension or more.
+    many = isinstance(features, (list, tuple, range)) or np.ndim(features) > 0
+    given = features if many and not isinstance(features, int) else [features]
+    ids = [sae.check_feature(f) for f in given]
     if not ids:
         raise InvalidRequest("feature_logits needs at least one feature id")
     k = check_count("k", k, 1)

@@ -21,6 +21,7 @@ from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Readout, at, at_step, walk, writes_by_layer
 
 if TYPE_CHECKING:
+    from envoykit.analyses.sae import Clamp
     from envoykit.analyses.steering import Steer
     from envoykit.analyses.surface import EngineSurface
     from envoykit.results.steering import Generation
@@ -85,7 +86,7 @@ def trace(
 def steered_ids(
     engine: EngineSurface,
     prompt: str,
-    runs: Sequence[Sequence[Steer]],
+    runs: Sequence[Sequence[Steer | Clamp]],
     max_tokens: int,
     lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> tuple[list[list[int]], dict[str, Any], list[dict[str, Any]] | None]:

@@ -283,10 +283,12 @@ class SAE:
             x = x - self.b_dec.to(dtype)
         pre = x @ self.W_enc.to(dtype) + self.b_enc.to(dtype)
         if self.architecture == "topk":
+            assert self.k is not None  # `_check`: a TopK SAE has its k
             top = pre.topk(int(self.k), dim=-1)
             return torch.zeros_like(pre).scatter(-1, top.indices, top.values.relu())
         acts = pre.relu()
         if self.architecture == "jumprelu":
+            assert self.threshold is not None  # `_check`: a JumpReLU SAE has its threshold
             acts = acts * (pre > self.threshold.to(dtype))
         return acts
 

@@ -525,6 +525,7 @@ class _Model:
     def _topk_loss(
         self, x: torch.Tensor, spread: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert self.plan.k is not None  # `_check_options` gives a TopK run its k
         k = int(self.plan.k)
         centred = x - self.b_dec
         with torch.no_grad():
@@ -555,6 +556,7 @@ class _Model:
         recon = acts @ self.W_dec + self.b_dec
         mse = (x - recon).pow(2).sum(-1).mean()
         sparsity = (acts * self.W_dec.norm(dim=1)).sum(-1).mean()
+        assert self.plan.l1_coefficient is not None  # `_check_options` gives a ReLU run one
         return mse + float(self.plan.l1_coefficient) * sparsity, acts
 
     @torch.no_grad()
@@ -571,6 +573,7 @@ class _Model:
         pre = (x - self.b_dec) @ self.W_enc.T + self.b_enc
         if self.plan.architecture == "relu":
             return pre.relu()
+        assert self.plan.k is not None  # `_check_options` gives a TopK run its k
         top = pre.topk(int(self.plan.k), dim=-1)
         return torch.zeros_like(pre).scatter(-1, top.indices, top.values.relu())
 
@@ -709,6 +712,8 @@ def _train(rows: _Rows, options: _Options, progress: Any) -> SAE:
         if since["steps"]:
             measure()
             _show(bar, loss, l0, records[-1])
+    # The first measurement (a finite fraction: the rows were checked finite) beat the inf.
+    assert best[1] is not None
     sae = model.sae(best[1])
     if options.out is not None:
         _write(options.out, sae, plan, records, stopped)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from envoykit.analyses import generation, steering
 from envoykit.analyses.request import as_list, check_count, normalise_layers, single_token_target
 from envoykit.errors import InvalidRequest
@@ -47,7 +49,9 @@ def steer_sweep(
     found = [single_token_target(engine.tokenizer, info.vocab, t) for t in as_list(targets)]
     steering.engine_steers(engine, steer)  # the scales differ, nothing else: one check for all
     runs = [[steer.scaled(scale)] for scale in scales]
-    ids, stats, meta = [], [], {}
+    ids: list[list[int]] = []
+    stats: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
     with tqdm(total=len(runs), desc="steer sweep", unit="scale", disable=not progress) as bar:
         for start in range(0, len(runs), batch):
             chunk = runs[start : start + batch]
@@ -55,19 +59,22 @@ def steer_sweep(
                 engine, prompt, chunk, max_tokens, (picked, [t.token_id for t in found])
             )
             ids += got
+            assert chunk_stats is not None  # asked for: the lens was given
             stats += chunk_stats
             bar.update(len(chunk))
     meta["steer"] = [steer.scaled(1.0).describe()]
     decode = engine.tokenizer.decode
     return SteerSweepResult(
         prompt=prompt,
-        scales=scales,
-        texts=[decode(run, skip_special_tokens=True) for run in ids],
-        token_ids=ids,
-        layers=list(picked),
-        target_labels=[t.label for t in found],
-        target_tokens=[t.token for t in found],
-        target_probs=[s["target_probs"][:, 0].numpy() for s in stats],
-        top_tokens=[[decode([int(i)]) for i in s["top_ids"][:, 0, 0]] for s in stats],
+        scales=np.array(scales),
+        texts=tuple(decode(run, skip_special_tokens=True) for run in ids),
+        token_ids=tuple(tuple(run) for run in ids),
+        layers=np.array(picked),
+        target_labels=tuple(t.label for t in found),
+        target_tokens=tuple(t.token for t in found),
+        target_probs=np.array([s["target_probs"][:, 0].numpy() for s in stats]),
+        top_tokens=np.array(
+            [[decode([int(i)]) for i in s["top_ids"][:, 0, 0]] for s in stats], dtype=object
+        ),
         meta=meta,
     )

@@ -113,7 +113,7 @@ def as_steers(steer: Steer | Clamp | Sequence[Steer | Clamp] | None) -> list[Ste
 
 
 def plan_additions(
-    steers: Sequence[Steer], n_layers: int, d_model: int, length: int | None
+    steers: Sequence[Steer | Clamp], n_layers: int, d_model: int, length: int | None
 ) -> list[Addition]:
     """The checked `Addition` of each steer into a prompt of ``length`` tokens (None: a
     trace whose prompts are not known here, where only ``positions=None`` is meaningful)."""

@@ -179,6 +179,7 @@ class TunedLens:
             bar.close()
         best = _keep_best(best, head, checking, weight, bias)
         _, (final_weight, final_bias), quality = best
+        assert quality is not None  # it comes with the translators just unpacked
         weights = {layer: (final_weight[layer], final_bias[layer]) for layer in range(n)}
         stopped = stop is not None and stop.is_set()
         tuned = cls(
@@ -205,7 +206,9 @@ class TunedLens:
     def evaluate(self, engine: Any, texts: Sequence[str]) -> LensQuality:
         """Mean KL(final || layer) per layer, logit lens and tuned lens, on ``texts``, from
         the engine's own lens statistics."""
-        logit, tuned, tokens = 0.0, 0.0, 0
+        logit: float | np.ndarray = 0.0  # [L] sums once the first piece is added
+        tuned: float | np.ndarray = 0.0
+        tokens = 0
         pieces = _pieces(engine.tokenizer, texts)
         if not pieces:
             raise InvalidRequest(
@@ -217,7 +220,9 @@ class TunedLens:
             logit = logit + plain.kl.sum(1)
             tuned = tuned + translated.kl.sum(1)
             tokens += plain.kl.shape[1]
-        return LensQuality(plain.layers, logit / tokens, tuned / tokens, tokens)
+        return LensQuality(
+            plain.layers, np.asarray(logit / tokens), np.asarray(tuned / tokens), tokens
+        )
 
     # -- files ------------------------------------------------------------------------------
 

@@ -164,7 +164,7 @@ _RAISED_ON_RANKS = {cls.__name__: cls for cls in (InvalidRequest, ShardedValue)}
 def raise_as_envoykit(error: dict) -> None:
     """Raise the error a rank reported (nnsight's ``{"type_name", "message"}``) as
     envoykit's own class, if it is one of envoykit's refusals; else return."""
-    known = _RAISED_ON_RANKS.get(error.get("type_name"))
+    known = _RAISED_ON_RANKS.get(error.get("type_name", ""))
     if known is not None:
         raise known(error.get("message", ""))
 
@@ -418,6 +418,7 @@ def _merged_layout(module: torch.nn.Module) -> list[tuple[int, int]] | None:
 
 def _to_checkpoint_order(module: torch.nn.Module, gathered: torch.Tensor) -> torch.Tensor:
     layout = _merged_layout(module)
+    assert layout is not None  # called for merged column layers only
     per_rank = sum(size for size, _ in layout)
     if gathered.shape[-1] != per_rank * module.tp_size:
         return gathered
@@ -431,6 +432,7 @@ def _to_checkpoint_order(module: torch.nn.Module, gathered: torch.Tensor) -> tor
 
 def _rank_piece(module: torch.nn.Module, whole: torch.Tensor) -> torch.Tensor:
     layout = _merged_layout(module)
+    assert layout is not None  # called for merged column layers only
     distinct = [module.tp_size // replicas for _, replicas in layout]
     if whole.shape[-1] != sum(size * n for (size, _), n in zip(layout, distinct)):
         return whole
@@ -452,8 +454,11 @@ class InstallFragments:
     `CheckpointOrderFragments`, which reads and writes them in checkpoint order.
     """
 
+    nnsight_model: Any  # set by nnsight's runner, the class this mixin goes before
+
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
+        # nnsight's runner, after this mixin in the MRO, defines load_model.
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
         interleaver = self.nnsight_model.interleaver
         ordered = CheckpointOrderFragments()
         ordered.__dict__.update(vars(interleaver.fragments))

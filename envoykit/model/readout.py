@@ -28,7 +28,7 @@ tensor (a pair, normalised with the fused norm), else ``value`` alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,7 +281,7 @@ def walk(
     readout: Readout,
     layer_list: Any,
     reads: dict[int, set[str]],
-    writes: dict[int, list[Write]],
+    writes: Mapping[int, Sequence[Write | Addition]],
     heads: dict[int, torch.Tensor] | None = None,
 ) -> list[Row]:
     """Walk the layers in the model's order, make ``writes`` in place, and read each layer's
@@ -339,14 +339,16 @@ class _Walker:
         if self.reads.get(0):
             self.rows.append((self.stream, None))
 
-    def _stream_writes(self, number: int) -> list[Write]:
+    def _stream_writes(self, number: int) -> list[Write | Addition]:
         """The writes into a layer's stream (a head's go into its projection's input)."""
         return [w for w in self.writes.get(number, []) if w.cell.site != "head"]
 
     def _read_heads(self, number: int, layer: Any) -> None:
         """Write a layer's head cells, then read its heads where asked: the output
         projection's input, whole (``[T, heads * head_size]``, heads in order) at any TP."""
-        edits = [w for w in self.writes.get(number, []) if w.cell.site == "head"]
+        edits = [
+            w for w in self.writes.get(number, []) if isinstance(w, Write) and w.cell.site == "head"
+        ]
         read = "heads" in self.reads.get(number, ())
         if not edits and not read:
             return
@@ -357,9 +359,9 @@ class _Walker:
             value = value.clone()
             tokens = _tokens(value)
             for item in edits:
-                columns = slice(
-                    item.cell.head * layout.head_size, (item.cell.head + 1) * layout.head_size
-                )
+                head = item.cell.head
+                assert head is not None  # a head cell is made with its head's number
+                columns = slice(head * layout.head_size, (head + 1) * layout.head_size)
                 rows = slice(None) if item.cell.position is None else item.cell.position
                 new = tokens[:, columns].mean(0) if item.value is None else item.value.to(tokens)
                 tokens[rows, columns] = new
@@ -401,9 +403,11 @@ class _Walker:
                     if item.cell.site == "resid_mid":
                         item.apply(place, None)
                 elif item.cell.site == "resid_mid":
-                    place[item.cell.position] = item.value.to(place)
+                    place[item.cell.position] = _stream_value(item).to(place)
                 elif item.cell.site == "attn":
-                    place[item.cell.position] = (before[item.cell.position] + item.value).to(place)
+                    assert before is not None  # kept for a layer with an attn cell: _needs_before
+                    value = before[item.cell.position] + _stream_value(item)
+                    place[item.cell.position] = value.to(place)
             mid = place.clone()
             if before is not None:
                 wanted["attn"] = (mid - before, None)
@@ -416,12 +420,17 @@ class _Walker:
                     if item.cell.site == "resid":
                         item.apply(place, None)
                     continue
-                p, value = item.cell.position, item.value.to(place)
+                p, value = item.cell.position, _stream_value(item).to(place)
                 if item.cell.site == "resid":
                     place[p] = value
+                elif item.cell.site == "mlp" and mid is not None:
+                    place[p] = value + mid[p]
                 elif item.cell.site == "mlp":
-                    place[p] = value + (mid[p] if mid is not None else before[p] + attn[p])
+                    # A parallel family: its attn write is read, the stream before it kept.
+                    assert before is not None and attn is not None
+                    place[p] = value + (before[p] + attn[p])
                 elif item.cell.site == "attn" and self.family.parallel:
+                    assert attn is not None  # read for a parallel layer with an attn cell
                     place[p] = place[p] + value - attn[p]
             post = place.clone()
             base = mid if mid is not None else (before + attn if attn is not None else None)
@@ -519,18 +528,27 @@ def _tokens(value: torch.Tensor) -> torch.Tensor:
 def _write(
     first: torch.Tensor,
     second: torch.Tensor | None,
-    writes: Sequence[Write],
+    writes: Sequence[Write | Addition],
     sites: tuple[str, ...],
 ) -> None:
     """Overwrite, in place, the cells of ``sites`` in the pair (or the stream) the model is
     about to use."""
     for item in writes:
-        if item.cell.site in sites and isinstance(item, Addition):
+        if item.cell.site not in sites:
+            continue
+        if isinstance(item, Addition):
             item.apply(first, second)
-        elif item.cell.site in sites:
-            first[item.cell.position] = item.value.to(first)
+        else:
+            first[item.cell.position] = _stream_value(item).to(first)
             if item.residual is not None and second is not None:
                 second[item.cell.position] = item.residual.to(second)
+
+
+def _stream_value(write: Write) -> torch.Tensor:
+    """The value of a write into the stream: None only at a head cell (a mean ablation),
+    which goes into the heads' projection (`_Walker._read_heads`), never into the stream."""
+    assert write.value is not None, "a head cell's mean ablation reached the stream"
+    return write.value
 
 
 def writes_by_layer(writes: Sequence[Write | Addition]) -> dict[int, list[Write | Addition]]:

@@ -20,7 +20,7 @@ def compare(res: CompareResult, metric: str = "js", *, ax: Any = None) -> Any:
 
     shown = JS if metric == "js" else delta_metric(metric, metric)
     grid = res.js if metric == "js" else res.delta(metric)
-    cmap, limits, label = shown.cmap, shown.limits, shown.title
+    cmap, limits, label = shown.cmap, shown.range(grid), shown.title
     n_layers, n_pos = grid.shape
     if ax is None:
         _, ax = plt.subplots(figsize=(min(2.5 + 1.2 * n_pos, 30), min(1.5 + 0.32 * n_layers, 30)))

@@ -41,6 +41,7 @@ def heatmap(
         _, ax = plt.subplots(figsize=(min(2.0 + 1.1 * n_pos, 30), min(1.5 + 0.32 * n_layers, 30)))
     low, high = definition.range(grid)
     low, high = (low if vmin is None else vmin), (high if vmax is None else vmax)
+    norm: Normalize
     if log:
         low = low if low > 0 else (high if high > 0 else 1.0) * 1e-6
         norm = LogNorm(vmin=low, vmax=max(high, low * 10))
@@ -122,6 +123,7 @@ def trajectory(
             rows = np.array([s == site for s in res.sites])
             if rows.any():
                 ax.plot(places[rows], probs[rows], marker, color=line.get_color(), markersize=5)
+        assert ranks is not None  # made whenever there are targets
         (rank,) = ranks.plot(
             layers[stream],
             trace.rank[stream, position] + 1,

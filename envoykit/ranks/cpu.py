@@ -11,6 +11,8 @@ worker. This module is imported by the spawned rank processes through its dotted
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
@@ -32,6 +34,8 @@ class NNsightCPUModelRunner(InstallFragments, NNsightGPUModelRunner, CPUModelRun
 class NNsightCPUWorker(TranslatorStore, SAEStore, CPUWorker):
     """vLLM's CPU worker building `NNsightCPUModelRunner` and serving nnsight's RPCs (and
     envoykit's, which installs tuned-lens translators)."""
+
+    model_runner: Any  # CPUWorker's, replaced in init_device
 
     def init_device(self) -> None:
         if self.vllm_config.model_config.enforce_eager:

@@ -175,6 +175,7 @@ def encode(key: str, stream: torch.Tensor, gather: Gather) -> Encoded:
 
 def _global_topk(sae: RankSAE, pre: torch.Tensor, gather: Gather) -> torch.Tensor:
     """``pre`` with every entry outside the k largest over all ranks' features zeroed."""
+    assert sae.k is not None  # a TopK SAE is installed with its k (checked on the client)
     k = int(sae.k)
     values, ids = _candidates(pre, k, sae.start)
     every = gather(torch.cat([values, ids.to(values.dtype)], dim=-1))  # [ranks, T, 2k]

@@ -96,10 +96,10 @@ class AttributionResult(Result):
             ("target_labels", n_targets),
             ("target_tokens", n_targets),
         ):
-            value = tuple(getattr(self, name))
-            if len(value) != size:
-                raise ValueError(f"AttributionResult.{name} has {len(value)} entries, not {size}")
-            object.__setattr__(self, name, value)
+            entries = tuple(getattr(self, name))
+            if len(entries) != size:
+                raise ValueError(f"AttributionResult.{name} has {len(entries)} entries, not {size}")
+            object.__setattr__(self, name, entries)
         object.__setattr__(self, "components", tuple(self.components))
         object.__setattr__(self, "meta", freeze_json(self.meta, "AttributionResult.meta"))
         self._check_sum()

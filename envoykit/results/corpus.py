@@ -28,8 +28,22 @@ DESCRIPTIONS = {
 }
 
 
+class _Means:
+    """What `CorpusLensResult` computes from its sums, not fields (never passed, never
+    exported): per statistic its mean ``[L]`` and its interval ``[L, 2]``."""
+
+    kl: np.ndarray
+    kl_ci: np.ndarray
+    entropy: np.ndarray
+    entropy_ci: np.ndarray
+    agreement: np.ndarray
+    agreement_ci: np.ndarray
+    accuracy: np.ndarray
+    accuracy_ci: np.ndarray
+
+
 @dataclass(frozen=True, eq=False)
-class CorpusLensResult(Result):
+class CorpusLensResult(Result, _Means):
     """Per layer, over every token of a corpus: mean KL(final ‖ layer), mean entropy, top-k
     agreement with the final layer, and top-k accuracy against the actual next token.
 
@@ -158,8 +172,9 @@ class CorpusLensResult(Result):
         """A hand-made result of two documents and two layers (for docs and tests)."""
         first = [[2.0, 4.0, 1.0, 1.0], [0.0, 2.0, 2.0, 1.0]]
         second = [[2.0, 4.0, 1.0, 0.0], [0.0, 2.0, 2.0, 1.0]]
-        sums = [first, second]
-        return cls(layers=[1, 2], top_k=1, document_sums=sums, document_counts=[[2, 1], [2, 1]])
+        sums = np.array([first, second])
+        counts = np.array([[2, 1], [2, 1]])
+        return cls(layers=np.array([1, 2]), top_k=1, document_sums=sums, document_counts=counts)
 
 
 def bootstrap(

@@ -89,6 +89,7 @@ class FeatureResult(Result):
         it is not among a position's top features)."""
         hits = np.flatnonzero(self.tracked == int(feature))
         if hits.size:
+            assert self.tracked_acts is not None  # __post_init__ gives an array, [0, n] if None
             return self.tracked_acts[hits[0]].copy()
         return np.where(self.top_ids == int(feature), self.top_acts, 0.0).max(axis=1)
 

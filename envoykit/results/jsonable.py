@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -20,6 +20,9 @@ T = TypeVar("T", bound="Jsonable")
 
 class Jsonable:
     """Mixin for frozen dataclasses: `to_dict`, `to_json`, `from_dict`, `from_json`."""
+
+    if TYPE_CHECKING:  # every subclass is a dataclass
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values (lists, dicts), ready for `json.dumps`."""

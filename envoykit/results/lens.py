@@ -549,7 +549,8 @@ def _indices(name: str, index: Any, size: int) -> list[int]:
         return list(range(size))
     items = [index] if isinstance(index, Integral) else list(index)
     for item in items:
-        if isinstance(item, bool) or not isinstance(item, Integral) or not -size <= item < size:
+        outside = not isinstance(item, Integral) or not -size <= int(item) < size
+        if isinstance(item, bool) or outside:
             raise IndexError(
                 f"{name} {item!r} is outside the result: it has {size} (0..{size - 1}, "
                 f"or -{size}..-1 from the end)"

@@ -229,13 +229,15 @@ class SteerSweepResult(Result):
         """A small valid sweep, for docs and tests of code that only reads results."""
         return cls(
             prompt="I think this movie is",
-            scales=[-4.0, 0.0, 4.0],
+            scales=np.array([-4.0, 0.0, 4.0]),
             texts=(" awful", " okay", " great"),
             token_ids=((1,), (2,), (3,)),
-            layers=[1, 2],
+            layers=np.array([1, 2]),
             target_labels=(" great",),
             target_tokens=(" great",),
-            target_probs=[[[0.01], [0.02]], [[0.05], [0.1]], [[0.2], [0.6]]],
-            top_tokens=[[" bad", " awful"], [" a", " okay"], [" a", " great"]],
+            target_probs=np.array([[[0.01], [0.02]], [[0.05], [0.1]], [[0.2], [0.6]]]),
+            top_tokens=np.array(
+                [[" bad", " awful"], [" a", " okay"], [" a", " great"]], dtype=object
+            ),
             meta={"model": "demo", "tp": 1},
         )

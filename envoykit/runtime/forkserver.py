@@ -100,6 +100,7 @@ def _watch_server() -> None:
     import psutil
 
     server = _server_pid()
+    assert server is not None  # called once ensure_running has started it
     if _watched is not None and _watched[0] == server:
         return
     others = [p.pid for p in psutil.Process().children(recursive=True) if p.pid != server]

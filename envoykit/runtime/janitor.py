@@ -45,7 +45,8 @@ class Janitor:
 
     def __init__(self, paths: list[str], existing: list[int]) -> None:
         self.paths = list(paths)
-        read, self._write = os.pipe()
+        read, write = os.pipe()
+        self._write: int | None = write
         self._process = subprocess.Popen(
             [sys.executable, "-I", __file__, str(os.getpid()), *map(str, existing), "--", *paths],
             stdin=read,
@@ -59,6 +60,7 @@ class Janitor:
     def watch(self, pids: list[int], paths: list[str]) -> None:
         """The engine has started: watch exactly ``pids`` from now on (no more adopting; a
         later engine of the same owner is not this one), and remove ``paths`` too."""
+        assert self._write is not None, "watch() after release()"
         self.paths += paths
         os.write(self._write, (json.dumps({"pids": pids, "paths": paths}) + "\n").encode())
 

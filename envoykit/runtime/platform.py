@@ -232,6 +232,7 @@ def _guarded(script: str, line: int) -> bool:
     return any(
         isinstance(node, ast.If)
         and {"__name__", "__main__"} <= set(ast.unparse(node.test).replace("'", " ").split())
-        and node.lineno <= line <= node.end_lineno
+        # ast.parse sets end_lineno on every statement (typed optional for hand-made nodes).
+        and node.lineno <= line <= (node.end_lineno or node.lineno)
         for node in tree.body
     )

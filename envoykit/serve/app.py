@@ -130,6 +130,7 @@ async def _cancel_on_disconnect(app: Any, scope: Scope, receive: Receive, send: 
 
     async def app_receive() -> dict:
         if body_read.is_set():
+            assert watcher is not None  # made before the handler first runs
             return await asyncio.shield(watcher)
         message = await receive()
         if message["type"] != "http.request" or not message.get("more_body", False):
@@ -358,6 +359,7 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
     ]
     results = await asyncio.gather(*runs, return_exceptions=True)
     failures = [result for result in results if isinstance(result, BaseException)]
+    answered = [result for result in results if not isinstance(result, BaseException)]
     if any(isinstance(failure, EngineDeadError) for failure in failures):
         detail = "the engine's processes died while running this request"
         return JSONResponse(status_code=503, content={"detail": detail, "engine_dead": True})
@@ -365,9 +367,9 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
         logger.info("generation failed: %r", failures[0])
         return compat.served_payload({}, capture_exception(failures[0]))
     ran = time.perf_counter()
-    entries = [entry or {"saves": {}, "error": None, "sequences": {}} for entry in results]
-    error = next((entry["error"] for entry in entries if entry.get("error")), None)
-    answer = compat.served_payload({} if error else merged_saves(mediators, entries), error)
+    entries = [entry or {"saves": {}, "error": None, "sequences": {}} for entry in answered]
+    raised = next((entry["error"] for entry in entries if entry.get("error")), None)
+    answer = compat.served_payload({} if raised else merged_saves(mediators, entries), raised)
     logger.info(
         "trace of %d invoke(s): built in %.0f ms, ran in %.0f ms, answer (%d bytes) in %.0f ms",
         len(prompts),

@@ -102,7 +102,7 @@ class Connection(EngineSurface):
         self._lock = threading.RLock()
         self._model: ServedVLLM | None = None
         self._closed = False
-        self.log_file = None
+        self.log_file: Path | None = None
         try:
             described = self._get("/v1/envoykit/info")
             self._info = ModelInfo(**described["info"])
@@ -117,6 +117,7 @@ class Connection(EngineSurface):
     def model(self) -> ServedVLLM:
         """The served model's envoy tree (meta, no weights); its traces run on the server."""
         self._refuse_if_closed()
+        assert self._model is not None  # built by __init__, dropped only by close()
         return self._model
 
     def _refuse_if_closed(self) -> None:

@@ -90,3 +90,12 @@ def test_the_figure_has_the_map_and_the_last_layer():
     heatmap, line = figure.axes[:2]
     assert line.get_lines()[0].get_ydata().tolist() == pytest.approx([0.02, 0.1, 0.6])
     assert heatmap.get_images()[0].get_clim() == pytest.approx((0.0, 0.6))
+
+
+def test_a_compared_run_names_its_steers_and_clamps():
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(info=SimpleNamespace(name="tiny", tp=1, dtype="float32"))
+    clamp = ek.Clamp(SimpleNamespace(layer=2), feature=3)
+    run = ek.Run(engine, "a b", steer=[ek.Steer(torch.ones(8), 1, scale=2.0), clamp])
+    assert run.describe() == "tiny tp=1 float32: 'a b', steered at layer 1 x2, clamped at layer 2"

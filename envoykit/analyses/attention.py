@@ -36,7 +36,7 @@ from envoykit.ranks.heads import local_patterns, picked_on_ranks, query_key
 from envoykit.results.attention import AttentionResult
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
 
 # The most bytes of weights (and key positions) one request may bring back: beyond it, ask
 # for top_k keys, fewer layers, heads or queries.
@@ -181,7 +181,7 @@ def _every_key(shape: tuple[int, ...]) -> np.ndarray:
 
 
 def attention(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompt: str,
     *,
     layers: Any = None,

@@ -42,7 +42,7 @@ from envoykit.ranks.heads import head_writes
 from envoykit.results.attribution import AttributionResult
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
 
 # How a per-head split that would not add up is refused (a post-norm family): the explorer
 # then attributes by layer only.
@@ -285,7 +285,7 @@ def _result(
 
 
 def attribute(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompt: str,
     targets: str | int | Sequence[str | int],
     *,

@@ -27,7 +27,7 @@ from envoykit.results.activations import StoreWriter, row_key, text_chain
 from envoykit.results.lens import SITES
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
     from envoykit.results.activations import Activations
 
 STORE_DTYPES = ("bfloat16", "float16", "float32")
@@ -174,7 +174,7 @@ def run(
 
 
 def collect(
-    engine: EngineSurface,
+    engine: EngineBase,
     texts: Any,
     *,
     out: str,
@@ -254,7 +254,7 @@ class CollectRequest:
 
 
 def build_request(
-    engine: EngineSurface,
+    engine: EngineBase,
     layers: Any,
     sites: Any,
     positions: Any,

@@ -40,7 +40,7 @@ from envoykit.ranks.lens import DEFAULT_MEMORY_BUDGET, layers_per_call
 from envoykit.results.compare import CompareResult
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ def divergence_statistics(
 
 
 def compare_prompts(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompts: Any,
     layers: Any,
     positions: Any,

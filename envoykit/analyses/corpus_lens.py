@@ -29,7 +29,7 @@ from envoykit.ranks.translators import translated
 from envoykit.results.corpus import STATISTICS
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
     from envoykit.analyses.tuned import TunedLens
     from envoykit.results.corpus import CorpusLensResult
 
@@ -117,7 +117,7 @@ def run(
 
 
 def lens_corpus(
-    engine: EngineSurface,
+    engine: EngineBase,
     texts: Any,
     *,
     layers: Any = None,

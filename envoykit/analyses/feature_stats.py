@@ -34,7 +34,7 @@ from envoykit.ranks import feature_stats as on_ranks
 from envoykit.results.feature_stats import ARRAYS, FeatureStats, StatsWriter
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
 
 # How often a run's state is written to its store (and once after the first trace).
 CHECKPOINT_SECONDS = 10.0
@@ -269,7 +269,7 @@ def _write(
 
 
 def feature_stats(
-    engine: EngineSurface,
+    engine: EngineBase,
     texts: Any,
     sae: SAE,
     *,

@@ -30,7 +30,7 @@ from envoykit.results.features import (
 )
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
 
 # The order `walk` returns a layer's rows in.
 _WALK_ORDER = ("attn", "resid_mid", "mlp", "resid")
@@ -319,7 +319,7 @@ def logit_effects(
 
 
 def features(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompt: str | Sequence[str],
     sae: SAE | Sequence[SAE],
     *,
@@ -345,7 +345,7 @@ def features(
 
 
 def attribute_features(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompt: str,
     sae: SAE,
     targets: str | int | Sequence[str | int],
@@ -368,7 +368,7 @@ def attribute_features(
 
 
 def feature_logits(
-    engine: EngineSurface, sae: SAE, features: int | Sequence[int], *, k: int = 10
+    engine: EngineBase, sae: SAE, features: int | Sequence[int], *, k: int = 10
 ) -> FeatureLogitsResult:
     """The ``k`` tokens each feature's decoder direction raises and lowers most (its
     logit effects), computed on the ranks against their vocabulary slices: a

@@ -1,6 +1,6 @@
 """Greedy generation, plain or steered, and nnsight traces of an engine.
 
-Plain generation goes through vLLM (`EngineSurface._greedy`); a steered one runs in one
+Plain generation goes through vLLM (`EngineBase._greedy`); a steered one runs in one
 trace, one invoke per run, every step steered on the ranks, so a sweep of strengths
 (`envoykit.analyses.steer_sweep`) is one trace whose runs share every step. Stop tokens are
 cut as vLLM cuts them, so a steer of scale 0 gives plain generation's ids.
@@ -21,14 +21,14 @@ from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Readout, at, at_step, walk, writes_by_layer
 
 if TYPE_CHECKING:
+    from envoykit.analyses.base import EngineBase
     from envoykit.analyses.sae import Clamp
     from envoykit.analyses.steering import Steer
-    from envoykit.analyses.surface import EngineSurface
     from envoykit.results.steering import Generation
 
 
 def generate(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompt: str,
     max_tokens: int = 16,
     *,
@@ -50,7 +50,7 @@ def generate(
 
 
 def generate_ids(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompt: str,
     max_tokens: int = 16,
     *,
@@ -61,7 +61,7 @@ def generate_ids(
 
 
 def trace(
-    engine: EngineSurface,
+    engine: EngineBase,
     *prompts: Any,
     steer: Steer | Sequence[Steer] | None = None,
     **kwargs: Any,
@@ -84,7 +84,7 @@ def trace(
 
 
 def steered_ids(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompt: str,
     runs: Sequence[Sequence[Steer | Clamp]],
     max_tokens: int,
@@ -110,7 +110,7 @@ def steered_ids(
 
 
 def generation_ids(
-    engine: EngineSurface, prompt: Any, max_tokens: Any
+    engine: EngineBase, prompt: Any, max_tokens: Any
 ) -> tuple[str, tuple[int, ...], int]:
     """A generation's prompt, its ids and ``max_tokens``, checked against the context."""
     limit = engine.info.max_model_len

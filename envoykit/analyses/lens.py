@@ -50,15 +50,15 @@ from envoykit.ranks.sae import SAEEdit
 from envoykit.results.lens import LensResult
 
 if TYPE_CHECKING:
+    from envoykit.analyses.base import EngineBase
     from envoykit.analyses.patching import Ablate, Patch
     from envoykit.analyses.sae import SAE
     from envoykit.analyses.steering import Steer
-    from envoykit.analyses.surface import EngineSurface
     from envoykit.analyses.tuned import TunedLens
 
 
 def lens(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompt: str | list[str],
     *,
     layers: Any = None,
@@ -144,7 +144,7 @@ class LensPlan:
 
 
 def build_plan(
-    engine: EngineSurface,
+    engine: EngineBase,
     req: LensRequest,
     patch: Any,
     translator: TunedLens | None,
@@ -184,7 +184,7 @@ def build_plan(
     return LensPlan(req, plan, tuple(additions), key, edit, meta)
 
 
-def _translator_key(engine: EngineSurface, req: LensRequest, translator: TunedLens) -> str:
+def _translator_key(engine: EngineBase, req: LensRequest, translator: TunedLens) -> str:
     """The key of ``translator`` installed on the ranks, for a request of stream rows."""
     if any(site != "resid" for _, site in req.rows):
         raise InvalidRequest(
@@ -194,7 +194,7 @@ def _translator_key(engine: EngineSurface, req: LensRequest, translator: TunedLe
     return engine._install_translator(translator)
 
 
-def _run_cancellable(engine: EngineSurface, plan: LensPlan) -> list[LensResult]:
+def _run_cancellable(engine: EngineBase, plan: LensPlan) -> list[LensResult]:
     """`run` of ``plan``, registered before its sources are read so that a cancel heard
     meanwhile stops the lens at its first chunk."""
     model, readout, guard = engine.model, engine.readout, engine.exclusive

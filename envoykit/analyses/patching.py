@@ -46,8 +46,8 @@ from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Cell, Readout, Write, at, walk, writes_by_layer
 
 if TYPE_CHECKING:
+    from envoykit.analyses.base import EngineBase
     from envoykit.analyses.request import LensRequest
-    from envoykit.analyses.surface import EngineSurface
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,7 @@ def metric_of_runs(
     return [float(v) for v in values]
 
 
-def plan_for(engine: EngineSurface, req: LensRequest, patches: list[Patch | Ablate]) -> PatchPlan:
+def plan_for(engine: EngineBase, req: LensRequest, patches: list[Patch | Ablate]) -> PatchPlan:
     """Where each patch writes in the one prompt of ``req`` (`plan_writes`), on ``engine``."""
     if len(req.prompts) != 1 and patches:
         raise InvalidRequest("a patch goes into one target prompt, not a list of them")
@@ -295,7 +295,7 @@ def plan_for(engine: EngineSurface, req: LensRequest, patches: list[Patch | Abla
     return plan_writes(engine.tokenizer, patches, ids, info.n_layers, heads, info.max_model_len)
 
 
-def head_shape(engine: EngineSurface, patches: Sequence[Patch | Ablate]) -> tuple[int, int] | None:
+def head_shape(engine: EngineBase, patches: Sequence[Patch | Ablate]) -> tuple[int, int] | None:
     """The model's (heads, head size) when a patch names a head; refused where its heads
     cannot be read."""
     if not any(p.site == "head" for p in patches):

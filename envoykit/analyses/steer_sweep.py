@@ -13,12 +13,12 @@ from envoykit.analyses.request import as_list, check_count, normalise_layers, si
 from envoykit.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
     from envoykit.results.steering import SteerSweepResult
 
 
 def steer_sweep(
-    engine: EngineSurface,
+    engine: EngineBase,
     prompt: str,
     steer: steering.Steer,
     *,

@@ -31,7 +31,7 @@ from envoykit.ranks.sae import SAEEdit
 from envoykit.results.identity import check_same_model
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
 
 STEER_SITES = ("resid", "resid_mid")
 
@@ -251,7 +251,7 @@ def _positions(positions: Any, length: int | None) -> tuple[int, ...] | None:
     return tuple(sorted({p % length for p in items}))
 
 
-def engine_steers(engine: EngineSurface, steer: Any) -> list[Steer | Clamp]:
+def engine_steers(engine: EngineBase, steer: Any) -> list[Steer | Clamp]:
     """``steer`` as a list, each checked against ``engine``'s model: a `SteeringVector` must
     be of this model, a clamp's SAE is installed on the ranks, every site must be readable."""
     steers = as_steers(steer)

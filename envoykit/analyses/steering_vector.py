@@ -20,7 +20,7 @@ from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Readout, at, walk
 
 if TYPE_CHECKING:
-    from envoykit.analyses.surface import EngineSurface
+    from envoykit.analyses.base import EngineBase
     from envoykit.results.steering import SteeringVector
 
 # Prompts per trace of `mean_difference`.
@@ -28,7 +28,7 @@ _PROMPTS_PER_TRACE = 32
 
 
 def steering_vector(
-    engine: EngineSurface,
+    engine: EngineBase,
     positive: str | Sequence[str],
     negative: str | Sequence[str],
     layer: int | str,

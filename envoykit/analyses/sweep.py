@@ -33,8 +33,8 @@ from envoykit.model.readout import Addition, Cell, Readout, Write
 from envoykit.results.sweep import METRICS, SweepResult
 
 if TYPE_CHECKING:
+    from envoykit.analyses.base import EngineBase
     from envoykit.analyses.steering import Steer
-    from envoykit.analyses.surface import EngineSurface
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def run(
 
 
 def patch_sweep(
-    engine: EngineSurface,
+    engine: EngineBase,
     source: str,
     target: str,
     *,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from envoykit.analyses.attribution import HEADS_DO_NOT_ADD_UP
+from envoykit.analyses.request import token_ids
 from envoykit.errors import InvalidRequest
 from envoykit.explorer.outputs import failure
 from envoykit.explorer.state import ExplorerState
@@ -119,7 +120,7 @@ class CellPanels(ExplorerState):
             return None
         row, column = self.heatmap.selected
         prompt, position = shown.prompt, int(shown.positions[column])
-        if position >= len(self.engine.tokenizer(prompt)["input_ids"]):
+        if position >= len(token_ids(self.engine.tokenizer, prompt)):
             panel.say("a generated position: attention is drawn for the prompt's positions")
             return None
         layer = max(1, int(shown.layers[row]))

@@ -21,6 +21,7 @@ import ipywidgets as widgets
 
 from envoykit import plot
 from envoykit.analyses.corpus import shipped_corpus
+from envoykit.analyses.request import token_ids
 from envoykit.explorer.outputs import ENGINE_ERRORS, figure_output, message_html
 from envoykit.explorer.work import Background
 from envoykit.results.corpus import CorpusLensResult
@@ -125,7 +126,7 @@ class CorpusPanel(widgets.VBox):
             self.say("no documents: write one per line", error=True)
             return None
         tokenizer = self.engine.tokenizer
-        total = sum(len(tokenizer(doc)["input_ids"]) for doc in documents)
+        total = sum(len(token_ids(tokenizer, doc)) for doc in documents)
         runs = [None] if self.translator is None else [None, self.translator]
         self.button.disabled, self.cancel_button.disabled = True, False
         self._cancel.clear()

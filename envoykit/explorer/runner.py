@@ -21,7 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from envoykit.analyses.request import Row
+from envoykit.analyses.request import Row, token_ids
 from envoykit.errors import Cancelled
 from envoykit.explorer import rows
 from envoykit.explorer.layout import typed_targets
@@ -230,5 +230,5 @@ def _cells(
     """How many rows × positions a Run of ``request`` reduces (the pace of the last Run, in
     seconds per cell, gives the time left of the next)."""
     prompts = [request["prompt"]] + ([other] if other else [])
-    tokens = sum(len(engine.tokenizer(text)["input_ids"]) for text in prompts)
+    tokens = sum(len(token_ids(engine.tokenizer, text)) for text in prompts)
     return max(1, len(picked) * tokens)

@@ -159,6 +159,22 @@ class EngineLifetime:
             if isinstance(error, Exception) and not isinstance(error, EnvoykitError):
                 raise self._failed_start(error) from error
             raise
+        self._adopt(llm, not_the_engine, watcher, scratch)
+        try:
+            self._ready(llm, steps)
+        except BaseException:
+            steps.close()
+            raise
+        steps.set_description(f"{self._source.name}: ready")
+        steps.update()
+        steps.close()
+        self.load_seconds = time.perf_counter() - started
+        if self._progress:
+            self._announce()
+
+    def _adopt(self, llm: Any, not_the_engine: set[Any], watcher: Janitor, scratch: str) -> None:
+        """Take the started engine's processes as this engine's: recorded, watched by the
+        janitor and a rank watch, and ended by the finalizer if the engine is never closed."""
         self._llm = llm
         processes = _descendants() - not_the_engine
         self._processes = sorted(processes, key=lambda process: process.pid)
@@ -179,17 +195,6 @@ class EngineLifetime:
         self._finalizer = weakref.finalize(
             self, _shutdown, llm, processes, watcher, scratch, rank_watch
         )
-        try:
-            self._ready(llm, steps)
-        except BaseException:
-            steps.close()
-            raise
-        steps.set_description(f"{self._source.name}: ready")
-        steps.update()
-        steps.close()
-        self.load_seconds = time.perf_counter() - started
-        if self._progress:
-            self._announce()
 
     def _failed_start(self, error: Exception) -> EngineDead:
         """What a start vLLM gave up on says: the line of the log that names the cause (a

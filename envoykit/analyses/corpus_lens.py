@@ -154,12 +154,7 @@ def lens_corpus(
     batch = request.check_count("batch_tokens", batch_tokens, minimum=1)
     documents = corpus.documents(texts)
     total = corpus.total_tokens(engine.tokenizer, texts, info.vocab)
-    meta = engine._result_meta()
-    meta.pop("vocab")
-    key = None
-    if translator is not None:
-        key = engine._install_translator(translator)
-        meta.update(lens="tuned", translator=key)
+    meta, key = _meta_and_key(engine, translator)
     with corpus.progress_bar(progress, "corpus lens", total) as bar:
         sums, counts = run(
             engine.model,
@@ -187,3 +182,17 @@ def lens_corpus(
         seed=seed,
         meta={"lens": "logit", **meta},
     )
+
+
+def _meta_and_key(
+    engine: EngineBase, translator: TunedLens | None
+) -> tuple[dict[str, Any], str | None]:
+    """The results' meta and the key of ``translator`` once installed on the ranks (None, and
+    the logit lens's meta, without one)."""
+    meta = engine._result_meta()
+    meta.pop("vocab")
+    if translator is None:
+        return meta, None
+    key = engine._install_translator(translator)
+    meta.update(lens="tuned", translator=key)
+    return meta, key

@@ -58,58 +58,25 @@ def run(
     """
     import nnsight
 
-    rows = computed_rows(request.rows, readout.n_layers)
-    reads = dict(_sites_by_layer(rows))
-    first_step = writes_by_layer([*writes, *additions])
-    later_steps = writes_by_layer(at_step(additions, 1))
+    plan = _plan(request, readout.n_layers, writes, additions, budget, cancel, translator)
     layer_list = at(model, readout.layers)
     norm = at(model, readout.final_norm)
     head = at(model, readout.unembedding)
-    positions = None if request.positions is None else torch.tensor(request.positions)
-    target_ids = [t.token_id for t in request.targets]
-    reduce_dtype = getattr(torch, request.reduce_dtype)
-    top_k, steps_wanted = request.top_k, request.generate + 1
+    steps_wanted = request.generate + 1
     with guard(), model.trace(temperature=0.0, max_tokens=steps_wanted) as tracer:
         if fidelity is not None:
             # The plain run first: vLLM takes the trace's requests in order, and within one
             # step the invokes' code runs in order, so the ranks hold its distribution when
             # the spliced invoke compares with it.
             with tracer.invoke(request.prompts[0], max_tokens=1):
-                plain = walk(readout, layer_list, {readout.n_layers: {"resid"}}, fidelity.plain)
-                # (the unembedding reached from ``model`` inside this invoke: an envoy
-                # shipped without the tree above it has no root to find the logits
-                # processor by)
-                plain_shard = at(model, readout.unembedding).vocab_shard()
-                final = fidelity_on_ranks.final_logp(norm, plain_shard, plain[-1])
-                fidelity_on_ranks.remember(fidelity.key, final)
+                _remember_plain(model, readout, layer_list, norm, fidelity)
         for prompt in request.prompts:
             with tracer.invoke(prompt):
                 shard = head.vocab_shard()
                 steps = nnsight.save([])
                 samples = nnsight.save([])
                 for step in tracer.iter[:steps_wanted]:
-                    # Patches go into the prompt's own forward pass, the first step.
-                    here = first_step if step == 0 else later_steps
-                    streams = walk(readout, layer_list, reads, here)
-                    if translator is not None:
-                        streams = translated(streams, rows, translator, readout.n_layers)
-                    stats = lens_statistics(
-                        norm,
-                        shard,
-                        streams,
-                        positions if step == 0 else None,
-                        top_k,
-                        target_ids,
-                        reduce_dtype,
-                        budget,
-                        cancel,
-                    )
-                    if step == 0 and fidelity is not None:
-                        final = fidelity_on_ranks.final_logp(norm, shard, streams[-1])
-                        found = fidelity_on_ranks.compare(
-                            shard, fidelity.key, final, fidelity.next_ids
-                        )
-                        stats = {**stats, **{f"fidelity.{k}": v for k, v in found.items()}}
+                    stats = _step_statistics(plan, readout, layer_list, norm, shard, step, fidelity)
                     steps.append({key: value.cpu() for key, value in stats.items()})
                     samples.append(model.samples.cpu())
     if len(request.prompts) == 1:
@@ -119,9 +86,102 @@ def run(
         meta = {**meta, "splice": {**meta["splice"], **splice_fidelity(first)}}
         steps[0][0] = {k: v for k, v in first.items() if not k.startswith("fidelity.")}
     return [
-        _assemble(model.tokenizer, request, meta, i, prompt_steps, prompt_samples, rows)
+        _assemble(model.tokenizer, request, meta, i, prompt_steps, prompt_samples, plan.rows)
         for i, (prompt_steps, prompt_samples) in enumerate(zip(steps, samples))
     ]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every step of a lens's trace reads, writes and reduces, worked out from the
+    request before the trace starts."""
+
+    rows: list[Row]
+    reads: dict[int, set[str]]
+    first_step: dict[int, list[Write | Addition]]
+    later_steps: dict[int, list[Write | Addition]]
+    positions: torch.Tensor | None
+    top_k: int
+    target_ids: list[int]
+    reduce_dtype: torch.dtype
+    budget: int
+    cancel: str | None
+    translator: str | None
+
+
+def _plan(
+    request: LensRequest,
+    n_layers: int,
+    writes: Sequence[Write],
+    additions: Sequence[Addition],
+    budget: int,
+    cancel: str | None,
+    translator: str | None,
+) -> _Plan:
+    """`_Plan` of ``request``: the rows computed and, by layer, the sites read; the writes
+    of the prompt's own pass (patches and every addition) and those of each generated token
+    (additions at every position)."""
+    rows = computed_rows(request.rows, n_layers)
+    return _Plan(
+        rows=rows,
+        reads=dict(_sites_by_layer(rows)),
+        first_step=writes_by_layer([*writes, *additions]),
+        later_steps=writes_by_layer(at_step(additions, 1)),
+        positions=None if request.positions is None else torch.tensor(request.positions),
+        top_k=request.top_k,
+        target_ids=[t.token_id for t in request.targets],
+        reduce_dtype=getattr(torch, request.reduce_dtype),
+        budget=budget,
+        cancel=cancel,
+        translator=translator,
+    )
+
+
+def _remember_plain(
+    model: Any, readout: Readout, layer_list: Any, norm: Any, fidelity: Fidelity
+) -> None:
+    """Inside the plain run's invoke: its final distribution, kept on the ranks under
+    ``fidelity.key`` for the spliced invoke to compare with."""
+    plain = walk(readout, layer_list, {readout.n_layers: {"resid"}}, fidelity.plain)
+    # (the unembedding reached from ``model`` inside this invoke: an envoy shipped without
+    # the tree above it has no root to find the logits processor by)
+    plain_shard = at(model, readout.unembedding).vocab_shard()
+    final = fidelity_on_ranks.final_logp(norm, plain_shard, plain[-1])
+    fidelity_on_ranks.remember(fidelity.key, final)
+
+
+def _step_statistics(
+    plan: _Plan,
+    readout: Readout,
+    layer_list: Any,
+    norm: Any,
+    shard: Any,
+    step: int,
+    fidelity: Fidelity | None,
+) -> dict[str, torch.Tensor]:
+    """Inside a prompt's invoke, one step's lens statistics on this rank: the rows read
+    (patches go into the prompt's own pass, the first step), translated if asked, reduced;
+    at a spliced lens's first step, its comparison with the plain run (``fidelity.*``)."""
+    here = plan.first_step if step == 0 else plan.later_steps
+    streams = walk(readout, layer_list, plan.reads, here)
+    if plan.translator is not None:
+        streams = translated(streams, plan.rows, plan.translator, readout.n_layers)
+    stats = lens_statistics(
+        norm,
+        shard,
+        streams,
+        plan.positions if step == 0 else None,
+        plan.top_k,
+        plan.target_ids,
+        plan.reduce_dtype,
+        plan.budget,
+        plan.cancel,
+    )
+    if step == 0 and fidelity is not None:
+        final = fidelity_on_ranks.final_logp(norm, shard, streams[-1])
+        found = fidelity_on_ranks.compare(shard, fidelity.key, final, fidelity.next_ids)
+        stats = {**stats, **{f"fidelity.{k}": v for k, v in found.items()}}
+    return stats
 
 
 @dataclass(frozen=True)

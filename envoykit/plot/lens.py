@@ -108,8 +108,39 @@ def trajectory(
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
     layers = res.layers.astype(float)
-    stream = np.array([site == "resid" for site in res.sites])
     places = layers + np.array([_SITE_PLACES.get(site, (0.0, ""))[0] for site in res.sites])
+    handles = _target_lines(ax, res, targets, position, places)
+    for token_id in from_top_k:
+        token, probs = res.top_k_trace(token_id, position)
+        (line,) = ax.plot(
+            places, probs, marker="x", linestyle=":", label=f"p({token!r}) where in top-k"
+        )
+        handles.append(line)
+    for site, (_, marker) in _SITE_PLACES.items():
+        if site in res.sites:
+            handles.append(
+                Line2D([], [], marker=marker, linestyle="", color="grey", label=f"{site} rows")
+            )
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("probability")
+    shown = sorted(set(res.layers.tolist()))
+    step = max(1, -(-len(shown) // _MAX_TICKS))
+    ticks = shown[::step]
+    ax.set_xticks(ticks, ["embed" if t == 0 else str(t) for t in ticks], fontsize=8)
+    ax.set_xlabel("layer")
+    ax.set_title(f"{res.run_label}: targets at position {res.tokens[position]!r}", fontsize=10)
+    ax.legend(handles=handles, loc="upper left", fontsize=7)
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def _target_lines(
+    ax: Any, res: LensResult, targets: list[str | int], position: int, places: np.ndarray
+) -> list[Any]:
+    """Each target's probability (a line through the "resid" rows, markers at the sub-layer
+    rows' ``places``) on ``ax``, and its rank on a log-scale right axis; the lines drawn."""
+    layers = res.layers.astype(float)
+    stream = np.array([site == "resid" for site in res.sites])
     handles = []
     ranks = ax.twinx() if targets else None
     for target in targets:
@@ -137,25 +168,4 @@ def trajectory(
         ranks.set_yscale("log")
         ranks.invert_yaxis()
         ranks.set_ylabel("rank (1 = top)")
-    for token_id in from_top_k:
-        token, probs = res.top_k_trace(token_id, position)
-        (line,) = ax.plot(
-            places, probs, marker="x", linestyle=":", label=f"p({token!r}) where in top-k"
-        )
-        handles.append(line)
-    for site, (_, marker) in _SITE_PLACES.items():
-        if site in res.sites:
-            handles.append(
-                Line2D([], [], marker=marker, linestyle="", color="grey", label=f"{site} rows")
-            )
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("probability")
-    shown = sorted(set(res.layers.tolist()))
-    step = max(1, -(-len(shown) // _MAX_TICKS))
-    ticks = shown[::step]
-    ax.set_xticks(ticks, ["embed" if t == 0 else str(t) for t in ticks], fontsize=8)
-    ax.set_xlabel("layer")
-    ax.set_title(f"{res.run_label}: targets at position {res.tokens[position]!r}", fontsize=10)
-    ax.legend(handles=handles, loc="upper left", fontsize=7)
-    ax.figure.tight_layout()
-    return ax.figure
+    return handles

@@ -322,7 +322,6 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
     from nnsight.intervention.errors import capture_exception
     from nnsight.intervention.util import clear_shared_locals
     from nnsight.tracing.globals import SOURCES
-    from vllm.v1.engine.exceptions import EngineDeadError
 
     model = compat.served_model()
     began = time.perf_counter()
@@ -360,12 +359,8 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
     results = await asyncio.gather(*runs, return_exceptions=True)
     failures = [result for result in results if isinstance(result, BaseException)]
     answered = [result for result in results if not isinstance(result, BaseException)]
-    if any(isinstance(failure, EngineDeadError) for failure in failures):
-        detail = "the engine's processes died while running this request"
-        return JSONResponse(status_code=503, content={"detail": detail, "engine_dead": True})
     if failures:
-        logger.info("generation failed: %r", failures[0])
-        return compat.served_payload({}, capture_exception(failures[0]))
+        return _failed(failures)
     ran = time.perf_counter()
     entries = [entry or {"saves": {}, "error": None, "sequences": {}} for entry in answered]
     raised = next((entry["error"] for entry in entries if entry.get("error")), None)
@@ -379,6 +374,19 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
         1000 * (time.perf_counter() - ran),
     )
     return answer
+
+
+def _failed(failures: list[BaseException]) -> Any:
+    """The answer to a trace an invoke of which raised: 503 if the engine's processes died,
+    else nnsight's payload of the first failure."""
+    from nnsight.intervention.errors import capture_exception
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if any(isinstance(failure, EngineDeadError) for failure in failures):
+        detail = "the engine's processes died while running this request"
+        return JSONResponse(status_code=503, content={"detail": detail, "engine_dead": True})
+    logger.info("generation failed: %r", failures[0])
+    return compat.served_payload({}, capture_exception(failures[0]))
 
 
 async def _run_invoke(engine: Any, prompt: Any, param: Any, lora: Any, state: ServerState) -> Any:

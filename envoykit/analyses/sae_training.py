@@ -44,7 +44,7 @@ from envoykit.analyses.corpus import progress_bar
 from envoykit.analyses.request import check_count
 from envoykit.analyses.sae import SAE, SAE_SITES
 from envoykit.analyses.sae_files import tl_hook
-from envoykit.analyses.tuned import _over_budget
+from envoykit.analyses.tuned_training import over_budget
 from envoykit.errors import InvalidRequest
 from envoykit.results.activations import Activations, row_key
 
@@ -693,7 +693,7 @@ def _train(rows: _Rows, options: _Options, progress: Any) -> SAE:
         stepping = time.monotonic()
         while limit is None or tokens < limit:
             budget = plan.max_seconds
-            if budget and steps and _over_budget(started, stepping, steps, budget):
+            if budget and steps and over_budget(started, stepping, steps, budget):
                 stopped = "max_seconds"
                 break
             batch = next(batches)

@@ -10,20 +10,17 @@ batch: memory stays bounded), and the final distribution from the head's weights
 from the engine once: a batch's final logits would be ``tokens x vocab`` floats to ship
 every step (25 MB per 128 tokens on the demo model), the head is ``vocab x d_model`` once.
 The translators train on this process's CPU, layer by layer (one layer's ``tokens x vocab``
-logits at a time, never all layers'). Applying them runs on the ranks: the engine installs
-them once (`envoykit.ranks.translators`) and every lens names them by their hash.
+logits at a time, never all layers'), in `envoykit.analyses.tuned_training`. Applying them
+runs on the ranks: the engine installs them once (`envoykit.ranks.translators`) and every
+lens names them by their hash.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import random
-import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,44 +28,15 @@ import numpy as np
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from envoykit import _compat as compat
+from envoykit.analyses.tuned_training import cut_pieces, train_translators
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import at, norm_parameters, walk
+from envoykit.model.readout import at
 from envoykit.results.identity import IDENTITY, check_same_model
 from envoykit.results.tuned import LensQuality
 
 # Head rows hashed to recognise a model (bfloat16-rounded: the same model in float32 and in
 # bfloat16 is the same model).
 _FINGERPRINT_ROWS = 64
-_HEAD_CHUNK = 8192
-_SEQUENCE_TOKENS = 128
-# Optimizer steps between two measurements on the held-out texts.
-_VALIDATE_EVERY = 5
-
-
-@dataclass(frozen=True)
-class Head:
-    """The model's readout, gathered whole on the client: final norm and unembedding."""
-
-    weight: torch.Tensor  # [vocab, d_model]
-    gain: torch.Tensor  # [d_model]
-    bias: torch.Tensor  # [d_model], zeros for an RMS norm
-    eps: float
-    centered: bool  # a LayerNorm: the mean is subtracted first
-    head_bias: torch.Tensor  # [vocab], zeros for a head without one
-    soft_cap: float | None
-    logit_scale: float
-
-    def log_probs(self, stream: torch.Tensor) -> torch.Tensor:
-        """``log_softmax`` of the logits the model would give for ``stream`` ``[T, d]``."""
-        if self.centered:
-            stream = stream - stream.mean(-1, keepdim=True)
-        scale = torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + self.eps)
-        normed = stream * scale * self.gain + self.bias
-        logits = normed @ self.weight.T + self.head_bias
-        if self.soft_cap:
-            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
-        return torch.log_softmax(logits * self.logit_scale, -1)
 
 
 class TunedLens:
@@ -115,9 +83,10 @@ class TunedLens:
     ) -> TunedLens:
         """Train translators on ``texts`` against ``engine``, the way the tuned lens is
         trained to be trusted: a ``validation`` share of the texts is held out, and the
-        translators kept are those best on it (measured every `_VALIDATE_EVERY` steps and at
-        the end), not those with the lowest training loss. ``weight_decay`` (AdamW) pulls
-        the translators towards zero, the logit lens, where the data do not say otherwise.
+        translators kept are those best on it (measured every `tuned_training.VALIDATE_EVERY`
+        steps and at the end), not those with the lowest training loss. ``weight_decay``
+        (AdamW) pulls the translators towards zero, the logit lens, where the data do not say
+        otherwise.
 
         Stops after ``steps`` optimizer steps, or before a step that would end past
         ``max_seconds`` at the pace of the steps so far (one step always runs), or after one
@@ -130,68 +99,31 @@ class TunedLens:
         caller says it, as the explorer's training panel does in its header, since a
         warning from a thread lands under whichever cell ran last).
         """
-        from tqdm.auto import tqdm
-
-        for name, value in (("max_seconds", max_seconds), ("steps", steps)):
-            if value is not None and (isinstance(value, bool) or value <= 0):
-                raise InvalidRequest(f"{name} must be positive, not {value!r}")
-        if batch_tokens < 1:
-            raise InvalidRequest(f"batch_tokens must be at least 1, not {batch_tokens!r}")
-        if not 0 < validation < 1:
-            raise InvalidRequest(
-                f"validation is a share of the texts in (0, 1), not {validation!r}"
-            )
-        batches, held_out = _batches(engine.tokenizer, texts, batch_tokens, seed, validation)
-        info = engine.info
-        torch.manual_seed(seed)
-        head = gather_head(engine)
-        checking = layer_streams(engine, held_out)
-        n, d = info.n_layers, info.d_model
-        weight = torch.zeros(n, d, d, requires_grad=True)
-        bias = torch.zeros(n, d, requires_grad=True)
-        optimizer = torch.optim.AdamW([weight, bias], lr=lr, weight_decay=weight_decay)
-        started = time.monotonic()
-        # Zero translators (the logit lens) are the first candidate: training that never
-        # beats them on held-out text returns them.
-        best = _keep_best((math.inf, None, None), head, checking, weight, bias)
-        total = steps or (None if max_seconds else len(batches))
-        # The bar counts steps; with only a time budget, its total is the seconds allowed.
-        bar = tqdm(total=total or max_seconds, desc="tuned lens", disable=not progress)
-        step = 0
-        try:
-            # At least one step, however long the set-up took of a time budget; after it,
-            # no step that would end past the budget at the pace of the steps so far.
-            stepping = time.monotonic()
-            while (total is None or step < total) and not (
-                max_seconds and step and _over_budget(started, stepping, step, max_seconds)
-            ):
-                if stop is not None and step and stop.is_set():
-                    break
-                streams = layer_streams(engine, batches[step % len(batches)])
-                loss = _step(head, streams, weight, bias, optimizer)
-                step += 1
-                if step % _VALIDATE_EVERY == 0:
-                    best = _keep_best(best, head, checking, weight, bias)
-                bar.set_postfix(kl=f"{loss:.3f}", held_out=f"{best[0]:.3f}")
-                bar.n = round(time.monotonic() - started) if total is None else step
-                bar.refresh()
-        finally:
-            bar.close()
-        best = _keep_best(best, head, checking, weight, bias)
-        _, (final_weight, final_bias), quality = best
-        assert quality is not None  # it comes with the translators just unpacked
-        weights = {layer: (final_weight[layer], final_bias[layer]) for layer in range(n)}
+        run = train_translators(
+            engine,
+            texts,
+            max_seconds=max_seconds,
+            steps=steps,
+            lr=lr,
+            weight_decay=weight_decay,
+            batch_tokens=batch_tokens,
+            validation=validation,
+            seed=seed,
+            progress=progress,
+            stop=stop,
+        )
+        n = engine.info.n_layers
         stopped = stop is not None and stop.is_set()
         tuned = cls(
-            weights,
+            run.weights,
             {
                 **fingerprint(engine),
-                "steps": step,
+                "steps": run.steps,
                 "seed": seed,
                 **({"stopped": True} if stopped else {}),
             },
         )
-        tuned.quality = quality
+        tuned.quality = run.quality
         if warn and tuned.quality.better < 0.5:
             warnings.warn(
                 f"the tuned lens is closer to the final distribution than the logit lens at "
@@ -209,7 +141,7 @@ class TunedLens:
         logit: float | np.ndarray = 0.0  # [L] sums once the first piece is added
         tuned: float | np.ndarray = 0.0
         tokens = 0
-        pieces = _pieces(engine.tokenizer, texts)
+        pieces = cut_pieces(engine.tokenizer, texts)
         if not pieces:
             raise InvalidRequest(
                 "evaluate needs texts of at least 8 tokens: these give no piece to measure"
@@ -323,176 +255,6 @@ class TunedLens:
         check_same_model(
             self.model, model, "these translators were trained", "train them on this model"
         )
-
-
-def _over_budget(started: float, stepping: float, steps: int, budget: float) -> bool:
-    """Whether one more step, as long as the mean step since ``stepping``, would end more
-    than ``budget`` seconds after ``started``."""
-    now = time.monotonic()
-    return now + (now - stepping) / steps - started > budget
-
-
-def _step(
-    head: Head,
-    streams: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-) -> float:
-    """One optimizer step on a batch's ``[n_layers + 1, T, d]`` streams; the mean over layers
-    of KL(final || tuned layer). Layer by layer, each backward right after its forward, so
-    only one layer's ``T x vocab`` logits live at a time."""
-    with torch.no_grad():
-        final = head.log_probs(streams[-1])
-        final_probs = final.exp()
-    optimizer.zero_grad()
-    total = 0.0
-    n = streams.shape[0] - 1
-    for layer in range(n):
-        h = streams[layer]
-        translated = h + h @ weight[layer].T + bias[layer]
-        kl = (final_probs * (final - head.log_probs(translated))).sum(-1).mean() / n
-        kl.backward()
-        total += float(kl.detach())
-    optimizer.step()
-    return total
-
-
-def _pieces(tokenizer: Any, texts: Sequence[str]) -> list[tuple[str, int]]:
-    """Texts cut into sequences of 8 to `_SEQUENCE_TOKENS` tokens: ``(text, tokens)``."""
-    usable = [] if isinstance(texts, str) else [t for t in texts if isinstance(t, str)]
-    if not any(t.strip() for t in usable):
-        raise InvalidRequest("a tuned lens needs a non-empty list of texts")
-    pieces = []
-    for text in usable:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        for start in range(0, len(ids), _SEQUENCE_TOKENS):
-            chunk = ids[start : start + _SEQUENCE_TOKENS]
-            if len(chunk) >= 8:
-                pieces.append((tokenizer.decode(chunk), len(chunk)))
-    return pieces
-
-
-def _batches(
-    tokenizer: Any, texts: Sequence[str], batch_tokens: int, seed: int, held_out: float
-) -> tuple[list[list[str]], list[str]]:
-    """`_pieces` shuffled with ``seed``: a ``held_out`` share of them (at least one, at most
-    two batches' tokens) apart, the rest grouped into training batches of about
-    ``batch_tokens``."""
-    pieces = _pieces(tokenizer, texts)
-    random.Random(seed).shuffle(pieces)
-    # A held-out share, but no more than two batches of tokens: it is measured every few
-    # steps, over the whole vocabulary at every layer.
-    count, tokens = 0, 0
-    while count < max(1, round(held_out * len(pieces))) and tokens < 2 * batch_tokens:
-        tokens += pieces[count][1]
-        count += 1
-    kept, pieces = [text for text, _ in pieces[:count]], pieces[count:]
-    if sum(n for _, n in pieces) < batch_tokens:
-        raise InvalidRequest(
-            f"the texts hold {sum(n for _, n in pieces)} tokens, fewer than one batch "
-            f"(batch_tokens={batch_tokens}): give more text or a smaller batch"
-        )
-    batches, current, count = [], [], 0
-    for text, n in pieces:
-        current.append(text)
-        count += n
-        if count >= batch_tokens:
-            batches.append(current)
-            current, count = [], 0
-    return batches, kept
-
-
-def _keep_best(
-    best: tuple[float, Any, LensQuality | None],
-    head: Head,
-    streams: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-) -> tuple[float, Any, LensQuality | None]:
-    """``best`` or the current translators, whichever is closer to the final distribution
-    on the held-out streams (mean KL over layers): ``(score, (A, b), their LensQuality)``."""
-    quality = held_out_quality(head, streams, weight, bias)
-    score = float(quality.tuned_kl.mean())
-    if score < best[0]:
-        return score, (weight.detach().clone(), bias.detach().clone()), quality
-    return best
-
-
-@torch.no_grad()
-def held_out_quality(
-    head: Head, streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
-) -> LensQuality:
-    """`LensQuality` of translators on held-out ``streams`` ``[n_layers + 1, T, d]``: per
-    layer, the mean KL(final || lens) of the logit lens and of the tuned lens."""
-    final = head.log_probs(streams[-1])
-    final_probs = final.exp()
-    n = streams.shape[0] - 1
-
-    def kl(x: torch.Tensor) -> float:
-        return float((final_probs * (final - head.log_probs(x))).sum(-1).mean())
-
-    logit = [kl(streams[layer]) for layer in range(n)]
-    tuned = [
-        kl(streams[layer] + streams[layer] @ weight[layer].T + bias[layer]) for layer in range(n)
-    ]
-    return LensQuality(np.arange(n), np.array(logit), np.array(tuned), int(streams.shape[1]))
-
-
-def layer_streams(engine: Any, texts: Sequence[str]) -> torch.Tensor:
-    """``[n_layers + 1, tokens, d_model]`` float32: the residual stream after the embedding and
-    every layer, whole, for ``texts`` (one invoke each), joined along tokens."""
-    import nnsight
-
-    model, readout = engine.model, engine.readout
-    readout.require("the tuned lens")
-    reads = {layer: {"resid"} for layer in range(engine.info.n_layers + 1)}
-    with engine.exclusive(), model.trace(temperature=0.0, max_tokens=1) as tracer:
-        for text in texts:
-            with tracer.invoke(text):
-                streams = walk(readout, at(model, readout.layers), reads, {})
-                stacked = nnsight.save(
-                    torch.stack([h if r is None else h + r for h, r in streams]).float().cpu()
-                )
-    pieces = stacked if len(texts) > 1 else [stacked]
-    return torch.cat(list(pieces), dim=1)
-
-
-def gather_head(engine: Any) -> Head:
-    """The unembedding and its bias (whole, in chunks of rows), the final norm's affine map
-    (`envoykit.model.readout.norm_parameters`), the logit soft-cap and scale: what the final
-    distribution is computed from."""
-    import nnsight
-
-    model, readout, vocab = engine.model, engine.readout, engine.info.vocab
-    d_model = engine.info.d_model
-    rows, biases = [], []
-    with engine.exclusive():
-        for start in range(0, vocab, _HEAD_CHUNK):
-            ids = torch.arange(start, min(vocab, start + _HEAD_CHUNK))
-            with model.trace("The", temperature=0.0, max_tokens=1):
-                head = at(model, readout.unembedding)
-                part = nnsight.save(head.rows(ids).float().cpu())
-                bias = nnsight.save(head.bias_of(ids).float().cpu())
-            rows.append(part)
-            biases.append(bias)
-        with model.trace("The", temperature=0.0, max_tokens=1):
-            norm = at(model, readout.final_norm)
-            like = at(model, readout.layers)[0].output
-            like = (like[0] if isinstance(like, tuple) else like).float()
-            affine = norm_parameters(norm, d_model, like)
-            affine = nnsight.save({key: value.cpu() for key, value in affine.items()})
-    processor = compat.envoy_module(model).logits_processor
-    return Head(
-        torch.cat(rows),
-        affine["gain"],
-        affine["bias"],
-        float(affine["eps"]),
-        bool(affine["centered"]),
-        torch.cat(biases),
-        processor.soft_cap,
-        float(processor.scale),
-    )
 
 
 def fingerprint(engine: Any) -> dict:

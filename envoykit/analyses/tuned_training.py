@@ -1,0 +1,348 @@
+"""Training a tuned lens's translators: the engine's streams and head brought to this
+process, and the optimisation that fits ``h -> h + A h + b`` per layer to the final
+distribution, keeping the translators best on held-out text.
+
+Apart from `envoykit.analyses.tuned` (the `TunedLens` class, its files and the model's
+fingerprint) because this is the one part that runs an optimizer: what it reads of the
+engine (`gather_head`, `layer_streams`), how texts become batches (`cut_pieces`) and how the
+translators are measured (`held_out_quality`). `TunedLens.train` calls `train_translators`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from envoykit import _compat as compat
+from envoykit.errors import InvalidRequest
+from envoykit.model.readout import at, norm_parameters, walk
+from envoykit.results.tuned import LensQuality
+
+_HEAD_CHUNK = 8192
+_SEQUENCE_TOKENS = 128
+# Optimizer steps between two measurements on the held-out texts.
+VALIDATE_EVERY = 5
+
+
+@dataclass(frozen=True)
+class Head:
+    """The model's readout, gathered whole on the client: final norm and unembedding."""
+
+    weight: torch.Tensor  # [vocab, d_model]
+    gain: torch.Tensor  # [d_model]
+    bias: torch.Tensor  # [d_model], zeros for an RMS norm
+    eps: float
+    centered: bool  # a LayerNorm: the mean is subtracted first
+    head_bias: torch.Tensor  # [vocab], zeros for a head without one
+    soft_cap: float | None
+    logit_scale: float
+
+    def log_probs(self, stream: torch.Tensor) -> torch.Tensor:
+        """``log_softmax`` of the logits the model would give for ``stream`` ``[T, d]``."""
+        if self.centered:
+            stream = stream - stream.mean(-1, keepdim=True)
+        scale = torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = stream * scale * self.gain + self.bias
+        logits = normed @ self.weight.T + self.head_bias
+        if self.soft_cap:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        return torch.log_softmax(logits * self.logit_scale, -1)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What `train_translators` returns: the translators kept, ``weights[layer] = (A, b)``,
+    the optimizer steps taken and the translators' `LensQuality` on the held-out texts."""
+
+    weights: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    steps: int
+    quality: LensQuality
+
+
+def train_translators(
+    engine: Any,
+    texts: Sequence[str],
+    *,
+    max_seconds: float | None,
+    steps: int | None,
+    lr: float,
+    weight_decay: float,
+    batch_tokens: int,
+    validation: float,
+    seed: int,
+    progress: bool,
+    stop: Any,
+) -> Trained:
+    """The translators of `TunedLens.train` (which has the arguments), best on the held-out
+    share of ``texts``."""
+    _check(max_seconds, steps, batch_tokens, validation)
+    batches, held_out = _batches(engine.tokenizer, texts, batch_tokens, seed, validation)
+    info = engine.info
+    torch.manual_seed(seed)
+    head = gather_head(engine)
+    checking = layer_streams(engine, held_out)
+    translators = _Translators(head, checking, info.n_layers, info.d_model, lr, weight_decay)
+    started = time.monotonic()
+    # Zero translators (the logit lens) are the first candidate: training that never
+    # beats them on held-out text returns them.
+    translators.validate()
+    total = steps or (None if max_seconds else len(batches))
+    step = _optimise(engine, batches, translators, total, max_seconds, started, progress, stop)
+    translators.validate()
+    _, (final_weight, final_bias), quality = translators.best
+    assert quality is not None  # it comes with the translators just unpacked
+    weights = {layer: (final_weight[layer], final_bias[layer]) for layer in range(info.n_layers)}
+    return Trained(weights, step, quality)
+
+
+def _check(
+    max_seconds: float | None, steps: int | None, batch_tokens: int, validation: float
+) -> None:
+    """`InvalidRequest` for a budget, batch or held-out share training cannot run with."""
+    for name, value in (("max_seconds", max_seconds), ("steps", steps)):
+        if value is not None and (isinstance(value, bool) or value <= 0):
+            raise InvalidRequest(f"{name} must be positive, not {value!r}")
+    if batch_tokens < 1:
+        raise InvalidRequest(f"batch_tokens must be at least 1, not {batch_tokens!r}")
+    if not 0 < validation < 1:
+        raise InvalidRequest(f"validation is a share of the texts in (0, 1), not {validation!r}")
+
+
+class _Translators:
+    """The translators being trained, every layer's at once (``A`` stacked as ``weight``,
+    ``b`` as ``bias``, both starting at zero), their optimizer, and the best so far on the
+    held-out streams ``checking`` (`_keep_best`)."""
+
+    def __init__(
+        self, head: Head, checking: torch.Tensor, n: int, d: int, lr: float, weight_decay: float
+    ) -> None:
+        self.head, self.checking = head, checking
+        self.weight = torch.zeros(n, d, d, requires_grad=True)
+        self.bias = torch.zeros(n, d, requires_grad=True)
+        self.optimizer = torch.optim.AdamW(
+            [self.weight, self.bias], lr=lr, weight_decay=weight_decay
+        )
+        self.best: tuple[float, Any, LensQuality | None] = (math.inf, None, None)
+
+    def step(self, streams: torch.Tensor) -> float:
+        """One optimizer step on a batch's streams (`_step`); its mean KL."""
+        return _step(self.head, streams, self.weight, self.bias, self.optimizer)
+
+    def validate(self) -> None:
+        """Keep the current translators if they are the best on the held-out streams yet."""
+        self.best = _keep_best(self.best, self.head, self.checking, self.weight, self.bias)
+
+
+def _optimise(
+    engine: Any,
+    batches: list[list[str]],
+    translators: _Translators,
+    total: int | None,
+    max_seconds: float | None,
+    started: float,
+    progress: bool,
+    stop: Any,
+) -> int:
+    """Steps over ``batches`` in turn, measured every `VALIDATE_EVERY`, until ``total``
+    steps, the time budget or ``stop``; the number of steps taken."""
+    from tqdm.auto import tqdm
+
+    # The bar counts steps; with only a time budget, its total is the seconds allowed.
+    bar = tqdm(total=total or max_seconds, desc="tuned lens", disable=not progress)
+    step = 0
+    try:
+        # At least one step, however long the set-up took of a time budget; after it,
+        # no step that would end past the budget at the pace of the steps so far.
+        stepping = time.monotonic()
+        while (total is None or step < total) and not (
+            max_seconds and step and over_budget(started, stepping, step, max_seconds)
+        ):
+            if stop is not None and step and stop.is_set():
+                break
+            loss = translators.step(layer_streams(engine, batches[step % len(batches)]))
+            step += 1
+            if step % VALIDATE_EVERY == 0:
+                translators.validate()
+            bar.set_postfix(kl=f"{loss:.3f}", held_out=f"{translators.best[0]:.3f}")
+            bar.n = round(time.monotonic() - started) if total is None else step
+            bar.refresh()
+    finally:
+        bar.close()
+    return step
+
+
+def over_budget(started: float, stepping: float, steps: int, budget: float) -> bool:
+    """Whether one more step, as long as the mean step since ``stepping``, would end more
+    than ``budget`` seconds after ``started``."""
+    now = time.monotonic()
+    return now + (now - stepping) / steps - started > budget
+
+
+def _step(
+    head: Head,
+    streams: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+) -> float:
+    """One optimizer step on a batch's ``[n_layers + 1, T, d]`` streams; the mean over layers
+    of KL(final || tuned layer). Layer by layer, each backward right after its forward, so
+    only one layer's ``T x vocab`` logits live at a time."""
+    with torch.no_grad():
+        final = head.log_probs(streams[-1])
+        final_probs = final.exp()
+    optimizer.zero_grad()
+    total = 0.0
+    n = streams.shape[0] - 1
+    for layer in range(n):
+        h = streams[layer]
+        translated = h + h @ weight[layer].T + bias[layer]
+        kl = (final_probs * (final - head.log_probs(translated))).sum(-1).mean() / n
+        kl.backward()
+        total += float(kl.detach())
+    optimizer.step()
+    return total
+
+
+def cut_pieces(tokenizer: Any, texts: Sequence[str]) -> list[tuple[str, int]]:
+    """Texts cut into sequences of 8 to `_SEQUENCE_TOKENS` tokens: ``(text, tokens)``."""
+    usable = [] if isinstance(texts, str) else [t for t in texts if isinstance(t, str)]
+    if not any(t.strip() for t in usable):
+        raise InvalidRequest("a tuned lens needs a non-empty list of texts")
+    pieces = []
+    for text in usable:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for start in range(0, len(ids), _SEQUENCE_TOKENS):
+            chunk = ids[start : start + _SEQUENCE_TOKENS]
+            if len(chunk) >= 8:
+                pieces.append((tokenizer.decode(chunk), len(chunk)))
+    return pieces
+
+
+def _batches(
+    tokenizer: Any, texts: Sequence[str], batch_tokens: int, seed: int, held_out: float
+) -> tuple[list[list[str]], list[str]]:
+    """`cut_pieces` shuffled with ``seed``: a ``held_out`` share of them (at least one, at most
+    two batches' tokens) apart, the rest grouped into training batches of about
+    ``batch_tokens``."""
+    pieces = cut_pieces(tokenizer, texts)
+    random.Random(seed).shuffle(pieces)
+    # A held-out share, but no more than two batches of tokens: it is measured every few
+    # steps, over the whole vocabulary at every layer.
+    count, tokens = 0, 0
+    while count < max(1, round(held_out * len(pieces))) and tokens < 2 * batch_tokens:
+        tokens += pieces[count][1]
+        count += 1
+    kept, pieces = [text for text, _ in pieces[:count]], pieces[count:]
+    if sum(n for _, n in pieces) < batch_tokens:
+        raise InvalidRequest(
+            f"the texts hold {sum(n for _, n in pieces)} tokens, fewer than one batch "
+            f"(batch_tokens={batch_tokens}): give more text or a smaller batch"
+        )
+    batches, current, count = [], [], 0
+    for text, n in pieces:
+        current.append(text)
+        count += n
+        if count >= batch_tokens:
+            batches.append(current)
+            current, count = [], 0
+    return batches, kept
+
+
+def _keep_best(
+    best: tuple[float, Any, LensQuality | None],
+    head: Head,
+    streams: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+) -> tuple[float, Any, LensQuality | None]:
+    """``best`` or the current translators, whichever is closer to the final distribution
+    on the held-out streams (mean KL over layers): ``(score, (A, b), their LensQuality)``."""
+    quality = held_out_quality(head, streams, weight, bias)
+    score = float(quality.tuned_kl.mean())
+    if score < best[0]:
+        return score, (weight.detach().clone(), bias.detach().clone()), quality
+    return best
+
+
+@torch.no_grad()
+def held_out_quality(
+    head: Head, streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> LensQuality:
+    """`LensQuality` of translators on held-out ``streams`` ``[n_layers + 1, T, d]``: per
+    layer, the mean KL(final || lens) of the logit lens and of the tuned lens."""
+    final = head.log_probs(streams[-1])
+    final_probs = final.exp()
+    n = streams.shape[0] - 1
+
+    def kl(x: torch.Tensor) -> float:
+        return float((final_probs * (final - head.log_probs(x))).sum(-1).mean())
+
+    logit = [kl(streams[layer]) for layer in range(n)]
+    tuned = [
+        kl(streams[layer] + streams[layer] @ weight[layer].T + bias[layer]) for layer in range(n)
+    ]
+    return LensQuality(np.arange(n), np.array(logit), np.array(tuned), int(streams.shape[1]))
+
+
+def layer_streams(engine: Any, texts: Sequence[str]) -> torch.Tensor:
+    """``[n_layers + 1, tokens, d_model]`` float32: the residual stream after the embedding and
+    every layer, whole, for ``texts`` (one invoke each), joined along tokens."""
+    import nnsight
+
+    model, readout = engine.model, engine.readout
+    readout.require("the tuned lens")
+    reads = {layer: {"resid"} for layer in range(engine.info.n_layers + 1)}
+    with engine.exclusive(), model.trace(temperature=0.0, max_tokens=1) as tracer:
+        for text in texts:
+            with tracer.invoke(text):
+                streams = walk(readout, at(model, readout.layers), reads, {})
+                stacked = nnsight.save(
+                    torch.stack([h if r is None else h + r for h, r in streams]).float().cpu()
+                )
+    pieces = stacked if len(texts) > 1 else [stacked]
+    return torch.cat(list(pieces), dim=1)
+
+
+def gather_head(engine: Any) -> Head:
+    """The unembedding and its bias (whole, in chunks of rows), the final norm's affine map
+    (`envoykit.model.readout.norm_parameters`), the logit soft-cap and scale: what the final
+    distribution is computed from."""
+    import nnsight
+
+    model, readout, vocab = engine.model, engine.readout, engine.info.vocab
+    d_model = engine.info.d_model
+    rows, biases = [], []
+    with engine.exclusive():
+        for start in range(0, vocab, _HEAD_CHUNK):
+            ids = torch.arange(start, min(vocab, start + _HEAD_CHUNK))
+            with model.trace("The", temperature=0.0, max_tokens=1):
+                head = at(model, readout.unembedding)
+                part = nnsight.save(head.rows(ids).float().cpu())
+                bias = nnsight.save(head.bias_of(ids).float().cpu())
+            rows.append(part)
+            biases.append(bias)
+        with model.trace("The", temperature=0.0, max_tokens=1):
+            norm = at(model, readout.final_norm)
+            like = at(model, readout.layers)[0].output
+            like = (like[0] if isinstance(like, tuple) else like).float()
+            affine = norm_parameters(norm, d_model, like)
+            affine = nnsight.save({key: value.cpu() for key, value in affine.items()})
+    processor = compat.envoy_module(model).logits_processor
+    return Head(
+        torch.cat(rows),
+        affine["gain"],
+        affine["bias"],
+        float(affine["eps"]),
+        bool(affine["centered"]),
+        torch.cat(biases),
+        processor.soft_cap,
+        float(processor.scale),
+    )

@@ -420,18 +420,20 @@ def wait_for_quiet(below: float | None, most: float) -> float:
 def settings(model: str, tps: list[int]) -> dict:
     """What envoykit passes to vLLM for ``model``, for the plain start to pass too."""
     from envoykit import engine
+    from envoykit.model.config import read_config
     from envoykit.runtime import models, platform
+    from envoykit.runtime.info import MAX_MODEL_LEN_CAP
 
     source = models.resolve(model)
-    config = models.read_config(source)
-    limit = config.get("max_position_embeddings") or engine._DEFAULT_MAX_MODEL_LEN
+    config = read_config(source.path)
+    limit = config.get("max_position_embeddings") or MAX_MODEL_LEN_CAP
     return {
         "model": model,
         "path": source.path,
         "rank_env": {str(tp): platform.rank_environment("cpu", tp) for tp in tps},
         "plain_kwargs": {
             "dtype": "float32",
-            "max_model_len": min(limit, engine._DEFAULT_MAX_MODEL_LEN),
+            "max_model_len": min(limit, MAX_MODEL_LEN_CAP),
             "kv_cache_memory_bytes": engine._DEFAULT_KV_CACHE_BYTES,
             "enforce_eager": True,
             "enable_chunked_prefill": False,

@@ -26,6 +26,7 @@ from envoykit.analyses.sae import InstalledSAEs
 from envoykit.analyses.surface import EngineSurface
 from envoykit.analyses.tuned import InstalledTranslators
 from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest
+from envoykit.model.config import read_config
 from envoykit.ranks.cancel import lower_flag, raise_flag
 from envoykit.runtime import forkserver, logs, models, platform
 from envoykit.runtime.cleanup import SHM as _SHM
@@ -35,7 +36,11 @@ from envoykit.runtime.cleanup import mapped_segments as _mapped_segments
 from envoykit.runtime.cleanup import shutdown as _shutdown
 from envoykit.runtime.cleanup import stop as _stop
 from envoykit.runtime.info import (
+    DEFAULT_DTYPE,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_MODEL,
     DTYPES,
+    MAX_MODEL_LEN_CAP,
     ModelInfo,
     ModelShape,
     choose_tp,
@@ -50,8 +55,6 @@ if TYPE_CHECKING:
     from envoykit.analyses.sae import SAE
     from envoykit.analyses.tuned import TunedLens
 
-_DEFAULT_MAX_MODEL_LEN = 1024
-
 
 class EngineLifetime:
     """The processes of a tensor-parallel vLLM engine under nnsight, from start to close.
@@ -63,12 +66,12 @@ class EngineLifetime:
 
     def __init__(
         self,
-        model: str = "demo",
+        model: str = DEFAULT_MODEL,
         tensor_parallel_size: int | None = None,
         *,
-        dtype: str = "auto",
+        dtype: str = DEFAULT_DTYPE,
         max_model_len: int | None = None,
-        log_level: str = "ERROR",
+        log_level: str = DEFAULT_LOG_LEVEL,
         progress: bool = True,
         **engine_kwargs: Any,
     ) -> None:
@@ -86,7 +89,7 @@ class EngineLifetime:
             raise InvalidRequest(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
         self._platform = platform.platform_name()
         self._source = models.resolve(model)
-        config = models.read_config(self._source)
+        config = read_config(self._source.path)
         self._shape = ModelShape.from_config(config)
         platform.refuse_known_wrong(self._platform, config)
         self._platform_defaults = platform.engine_defaults(self._platform, config)
@@ -94,8 +97,8 @@ class EngineLifetime:
             self._platform_defaults.pop("attention_backend", None)
         self._tp = choose_tp(config, tensor_parallel_size, self._platform)
         self._dtype = "float32" if dtype == "auto" and self._platform == "cpu" else dtype
-        limit = self._shape.max_positions or _DEFAULT_MAX_MODEL_LEN
-        self._max_model_len = max_model_len or min(limit, _DEFAULT_MAX_MODEL_LEN)
+        limit = self._shape.max_positions or MAX_MODEL_LEN_CAP
+        self._max_model_len = max_model_len or min(limit, MAX_MODEL_LEN_CAP)
         if self._max_model_len > limit:
             raise InvalidRequest(
                 f"max_model_len={max_model_len} exceeds the model's {limit} positions"
@@ -319,7 +322,7 @@ class Engine(EngineLifetime, EngineSurface):
 
     def __init__(
         self,
-        model: str = "demo",
+        model: str = DEFAULT_MODEL,
         tensor_parallel_size: int | None = None,
         *,
         validate: bool = True,

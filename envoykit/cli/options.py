@@ -11,16 +11,21 @@ if TYPE_CHECKING:
     from envoykit.serve.client import Connection
 
 
+def engine_arguments(parser: argparse.ArgumentParser, keywords: tuple[str, ...]) -> None:
+    """The options of ``keywords`` that choose an engine, as declared once for `Engine`, the
+    server and the command line (`envoykit.runtime.info.ENGINE_OPTIONS`)."""
+    from envoykit.runtime.info import ENGINE_OPTIONS
+
+    for keyword in keywords:
+        option = ENGINE_OPTIONS[keyword]
+        parser.add_argument(
+            option.flag, dest=keyword, type=option.type, default=option.default, help=option.help
+        )
+
+
 def engine_options(parser: argparse.ArgumentParser) -> None:
     """The options of a command that runs on an engine: a new one's, or ``--server``'s."""
-    parser.add_argument("--model", default="demo", help="built-in name, local dir or hub id")
-    parser.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        help="tensor-parallel size (default: the largest that gives every rank a core or GPU)",
-    )
-    parser.add_argument("--dtype", default="auto")
+    engine_arguments(parser, ("model", "tensor_parallel_size", "dtype"))
     parser.add_argument(
         "--server",
         nargs="?",
@@ -38,7 +43,7 @@ def open_engine(args: argparse.Namespace) -> Engine | Connection:
         return connect(args.server or None)
     from envoykit import Engine
 
-    return Engine(args.model, args.tp, dtype=args.dtype)
+    return Engine(args.model, args.tensor_parallel_size, dtype=args.dtype)
 
 
 def split(text: str) -> list[str]:

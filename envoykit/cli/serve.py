@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from envoykit.cli.options import engine_arguments
+
 
 def add_serve(commands: Any) -> None:
     serve = commands.add_parser(
@@ -18,20 +20,12 @@ def add_serve(commands: Any) -> None:
         "token it writes under the cache directory. Options it does not know "
         "(--distributed-executor-backend ray, ...) go to vLLM unchanged.",
     )
-    serve.add_argument("--model", default="demo", help="built-in name, local dir or hub id")
-    serve.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        help="tensor-parallel size (default: the largest that gives every rank a core or GPU)",
-    )
-    serve.add_argument("--dtype", default="auto")
-    serve.add_argument("--max-model-len", type=int, default=None)
+    engine_arguments(serve, ("model", "tensor_parallel_size", "dtype", "max_model_len"))
     serve.add_argument("--host", default="127.0.0.1", help="other than loopback: --token-file")
     serve.add_argument("--port", type=int, default=6677, help="0 picks a free port")
     serve.add_argument("--token-file", type=Path, help="use this token (file of mode 600)")
     serve.add_argument("--restart", action="store_true", help="restart an engine that dies")
-    serve.add_argument("--log-level", default="ERROR", help="vLLM's screen log level")
+    engine_arguments(serve, ("log_level",))
 
 
 def run_serve(args: argparse.Namespace, passed_on: list[str]) -> int:
@@ -42,7 +36,7 @@ def run_serve(args: argparse.Namespace, passed_on: list[str]) -> int:
     try:
         status = serve(
             args.model,
-            tensor_parallel_size=args.tp,
+            tensor_parallel_size=args.tensor_parallel_size,
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             host=args.host,

@@ -48,6 +48,7 @@ from nnsight.util import apply
 
 from envoykit import _compat as compat
 from envoykit.errors import InvalidRequest, ShardedValue
+from envoykit.model.config import read_config
 from envoykit.model.readout import Readout, decoder_layers, lm_head_only, unembedding_module
 from envoykit.model.vocab_shard import VocabShard
 
@@ -105,7 +106,7 @@ class EnvoykitVLLM(VLLM):
         # only, they do nothing on meta tensors. The ranks pack their real weights as before.
         with compat.moe_meta_kernels():
             meta_model = super()._load_meta(repo_id, **kwargs)
-        config = _hf_config(repo_id)
+        config = read_config(repo_id)
         architecture = (config.get("architectures") or [type(meta_model).__name__])[0]
         self.readout = Readout.find(meta_model, architecture, config)
         return meta_model
@@ -173,13 +174,6 @@ def guard_shards(envoys_map: dict, meta_model: torch.nn.Module, split: int) -> N
     """At TP > 1, map every location that holds one rank's piece to `ShardedEnvoy`."""
     if split > 1:
         envoys_map.update(dict.fromkeys(sharded_paths(meta_model), ShardedEnvoy))
-
-
-def _hf_config(repo_id: str) -> dict:
-    """The checkpoint's Hugging Face config as a dict (its architecture picks the family)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(repo_id).to_dict()
 
 
 class UnembedEnvoy(ParallelEnvoy):

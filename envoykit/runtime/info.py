@@ -4,6 +4,7 @@ process starts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,50 @@ from envoykit.errors import InvalidRequest
 from envoykit.runtime import platform
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The context an engine gets unasked: the model's own, at most this (vLLM's memory for the
+# KV cache is sized by it).
+MAX_MODEL_LEN_CAP = 1024
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """An option that chooses an engine, declared once: `Engine` and `envoykit serve` take it
+    as ``keyword`` with ``default``, and the command line as ``flag``."""
+
+    keyword: str
+    flag: str
+    default: Any
+    help: str
+    type: Callable[[str], Any] = str  # what argparse reads the flag's text with
+
+
+ENGINE_OPTIONS = {
+    option.keyword: option
+    for option in (
+        EngineOption("model", "--model", "demo", "built-in name, local dir or hub id"),
+        EngineOption(
+            "tensor_parallel_size",
+            "--tp",
+            None,
+            "tensor-parallel size (default: the largest that gives every rank a core or GPU)",
+            int,
+        ),
+        EngineOption("dtype", "--dtype", "auto", f"one of {', '.join(DTYPES)}"),
+        EngineOption(
+            "max_model_len",
+            "--max-model-len",
+            None,
+            f"context length (default: the model's, at most {MAX_MODEL_LEN_CAP})",
+            int,
+        ),
+        EngineOption("log_level", "--log-level", "ERROR", "what of vLLM's log reaches the screen"),
+    )
+}
+# The defaults, by keyword: the signatures of `Engine` and `envoykit.serve.server.serve` use
+# these, so that the Python API, the server and the command line start the same engine.
+DEFAULT_MODEL = ENGINE_OPTIONS["model"].default
+DEFAULT_DTYPE = ENGINE_OPTIONS["dtype"].default
+DEFAULT_LOG_LEVEL = ENGINE_OPTIONS["log_level"].default
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -217,13 +216,3 @@ def resolve(model: str | os.PathLike) -> ModelSource:
             "a local Hugging Face checkpoint directory, or a hub id 'org/name'"
         )
     return ModelSource(text, text)
-
-
-def read_config(source: ModelSource) -> dict:
-    """The checkpoint's config.json (for hub ids, through the Hugging Face cache)."""
-    local = Path(source.path) / "config.json"
-    if local.exists():
-        return json.loads(local.read_text())
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(source.path).to_dict()

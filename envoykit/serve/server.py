@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from envoykit import _compat as compat
 from envoykit.engine import EngineLifetime
 from envoykit.errors import InvalidRequest
+from envoykit.runtime.info import DEFAULT_DTYPE, DEFAULT_LOG_LEVEL, DEFAULT_MODEL
 from envoykit.runtime.janitor import Janitor
 from envoykit.serve import tokens
 from envoykit.serve.app import ServerState, install, small_files
@@ -175,16 +176,16 @@ def read_token(path: Path) -> str:
 
 
 def serve(
-    model: str = "demo",
+    model: str = DEFAULT_MODEL,
     *,
     tensor_parallel_size: int | None = None,
-    dtype: str = "auto",
+    dtype: str = DEFAULT_DTYPE,
     max_model_len: int | None = None,
     host: str = "127.0.0.1",
     port: int = DEFAULT_PORT,
     token_file: Path | None = None,
     restart: bool = False,
-    log_level: str = "ERROR",
+    log_level: str = DEFAULT_LOG_LEVEL,
     engine_kwargs: dict[str, Any] | None = None,
 ) -> int:
     """Start the engine, serve it until SIGTERM / Ctrl-C or its death; the exit status.

@@ -15,13 +15,14 @@ from transformers import AutoTokenizer
 
 import envoykit as ek
 from envoykit.analyses.request import build_request, describe_target, normalise_layers
+from envoykit.model.config import read_config
 from envoykit.runtime import models
 
 
 @functools.cache
 def tiny() -> tuple[object, dict]:
     source = models.resolve("tiny")
-    return AutoTokenizer.from_pretrained(source.path), models.read_config(source)
+    return AutoTokenizer.from_pretrained(source.path), read_config(source.path)
 
 
 def request(prompt=PROMPT, **kwargs):

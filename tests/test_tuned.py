@@ -96,6 +96,19 @@ def test_save_load_and_another_model_is_refused(tiny2, tuned, tmp_path):
     assert tiny2.lens(PROMPT, layers=[1]).layers.tolist() == [1]
 
 
+def test_a_file_that_is_not_a_whole_tuned_lens_is_refused_at_load(tuned, tmp_path):
+    """A file is checked as bytes from a client are: another kind of envoykit file, and
+    translators of the wrong shape, are refused when read, not when first used."""
+    vector = ek.SteeringVector(np.ones(4, np.float32), 1, "resid", -1, ("a",), ("b",))
+    with pytest.raises(ek.InvalidRequest, match="not a tuned lens saved by envoykit"):
+        ek.TunedLens.load(vector.save(tmp_path / "vector.safetensors"))
+    n = tuned.model["n_layers"]
+    wide = {layer: (torch.zeros(3, 3), torch.zeros(3)) for layer in range(n)}
+    ek.TunedLens(wide, tuned.model).save(tmp_path / "wide.safetensors")
+    with pytest.raises(ek.InvalidRequest, match="not a floating-point"):
+        ek.TunedLens.load(tmp_path / "wide.safetensors")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from envoykit.analyses.tuned import InstalledTranslators, _safetensors_metadata
+from envoykit.analyses.tuned import InstalledTranslators
 from envoykit.errors import InvalidRequest
 from envoykit.ranks.sae import normalized
+from envoykit.results import safetensors_file
 
 ARCHITECTURES = ("relu", "jumprelu", "topk")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
@@ -246,16 +247,7 @@ class SAE:
         """Read what `to_bytes` wrote; `InvalidRequest` unless it is an SAE envoykit wrote,
         with the fields and tensors an SAE has (checked again as any SAE is on construction).
         Safetensors, not pickle: reading it runs nothing."""
-        from safetensors.torch import load as load_tensors
-
-        try:
-            blob = bytes(blob)
-            tensors = load_tensors(blob)
-            config = json.loads(_safetensors_metadata(blob)[_METADATA_KEY])
-        except Exception as error:
-            raise InvalidRequest(
-                f"not an SAE sent by envoykit ({type(error).__name__}: {error})"
-            ) from error
+        tensors, config = safetensors_file.read(blob, _METADATA_KEY, "an SAE sent by envoykit")
         if not isinstance(config, dict) or set(config) != set(_CONFIG_FIELDS):
             found = sorted(config) if isinstance(config, dict) else type(config).__name__
             raise InvalidRequest(

@@ -26,13 +26,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import save, save_file
 
 from envoykit.analyses.tuned_training import cut_pieces, train_translators
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import at
+from envoykit.results import safetensors_file
 from envoykit.results.identity import IDENTITY, check_same_model
 from envoykit.results.tuned import LensQuality
+
+# Where a saved tuned lens names its model (in the safetensors metadata), and what it is.
+MODEL_KEY = "envoykit.model"
+KIND = "a tuned lens saved by envoykit"
 
 # Head rows hashed to recognise a model (bfloat16-rounded: the same model in float32 and in
 # bfloat16 is the same model).
@@ -172,14 +177,7 @@ class TunedLens:
         """Read what `to_file_bytes` (or `save`) wrote; `InvalidRequest` unless it is a
         tuned lens whose translators have the shapes of the model it names. Safetensors,
         not pickle: reading it runs nothing."""
-        try:
-            tensors = load(bytes(blob))
-            meta = _safetensors_metadata(blob)
-            model = json.loads(meta["envoykit.model"])
-        except Exception as error:
-            raise InvalidRequest(
-                f"not a tuned lens saved by envoykit ({type(error).__name__}: {error})"
-            ) from error
+        tensors, model = safetensors_file.read(blob, MODEL_KEY, KIND)
         return cls._from_tensors(tensors, model)
 
     @classmethod
@@ -207,7 +205,7 @@ class TunedLens:
         )
 
     def _metadata(self) -> dict[str, str]:
-        return {"envoykit.model": json.dumps(self.model)}
+        return {MODEL_KEY: json.dumps(self.model)}
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         tensors = {}
@@ -224,24 +222,14 @@ class TunedLens:
 
     @classmethod
     def load(cls, path: str | Path, engine: Any = None) -> TunedLens:
-        """Read what `save` wrote; with ``engine``, refuse translators of another model."""
-        from safetensors import safe_open
-
+        """Read what `save` wrote, checked as `from_bytes` checks; with ``engine``, refuse
+        translators of another model."""
         path = Path(path)
         if not path.is_file():
             raise InvalidRequest(
                 f"no translators at {path}: train them with TunedLens.train or `envoykit tune`"
             )
-        with safe_open(str(path), "pt") as handle:
-            meta = handle.metadata() or {}
-        if "envoykit.model" not in meta:
-            raise InvalidRequest(f"{path} is not a tuned lens saved by envoykit")
-        tensors = load_file(str(path))
-        layers = sorted({int(name.split(".")[1]) for name in tensors})
-        lens = cls(
-            {layer: (tensors[f"A.{layer}"], tensors[f"b.{layer}"]) for layer in layers},
-            json.loads(meta["envoykit.model"]),
-        )
+        lens = cls._from_tensors(*safetensors_file.read(path, MODEL_KEY, KIND))
         if engine is not None:
             lens.check(engine)
         return lens
@@ -285,16 +273,6 @@ def fingerprint_of(info: Any, rows: torch.Tensor) -> dict:
         "vocab": info.vocab,
         "head_hash": digest,
     }
-
-
-def _safetensors_metadata(blob: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of safetensors bytes: an 8-byte little-endian header length,
-    then the JSON header."""
-    size = int.from_bytes(blob[:8], "little")
-    if size > len(blob) - 8:
-        raise ValueError("header longer than the data")
-    header = json.loads(bytes(blob[8 : 8 + size]))
-    return dict(header.get("__metadata__") or {})
 
 
 def offline_texts() -> tuple[list[str], list[str]]:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from envoykit.errors import InvalidRequest
+from envoykit.results import safetensors_file
 from envoykit.results.base import Result, freeze_json, frozen_array, thaw
 
 
@@ -84,19 +85,15 @@ class SteeringVector(Result):
     @classmethod
     def load(cls, path: str | Path) -> SteeringVector:
         """Read what `save` wrote (an engine checks the model when the vector is used)."""
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise InvalidRequest(
                 f"no steering vector at {path}: build one with engine.steering_vector"
             )
-        with safe_open(str(path), "np") as handle:
-            meta = handle.metadata() or {}
-            if "envoykit.steering" not in meta:
-                raise InvalidRequest(f"{path} is not a steering vector saved by envoykit")
-            vector = handle.get_tensor("vector")
-        return cls(vector=vector, **json.loads(meta["envoykit.steering"]))
+        tensors, fields = safetensors_file.read(
+            path, "envoykit.steering", "a steering vector saved by envoykit"
+        )
+        return cls(vector=tensors["vector"].numpy(), **fields)
 
 
 class Generation(str):

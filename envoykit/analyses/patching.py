@@ -94,8 +94,9 @@ def python_integers(edit: Patch | Ablate) -> None:
     """Hold numpy (or torch) integers as Python ints: an edit's fields go into the result's
     meta, which is JSON, and researchers pass ``np.int64`` layers from their own arrays."""
     for name, value in vars(edit).items():
-        if not isinstance(value, int) and integer(value) is not None:
-            object.__setattr__(edit, name, integer(value))
+        number = integer(value)
+        if number is not None and not isinstance(value, int):
+            object.__setattr__(edit, name, number)
 
 
 @dataclass(frozen=True)

@@ -192,13 +192,13 @@ def normalise_layers(layers: LayerSpec, n_layers: int) -> tuple[int, ...]:
         if isinstance(layer, str) and layer == "all":
             picked.update(range(1, n_layers + 1))
             continue
-        layer = integer(layer) if integer(layer) is not None else layer
-        if isinstance(layer, bool) or not isinstance(layer, int):
+        given = integer(layer)
+        if given is None:
             raise InvalidRequest(f"a layer is an integer, 'embed' or 'all', not {layer!r}")
-        number = layer + n_layers + 1 if layer < 0 else layer
+        number = given + n_layers + 1 if given < 0 else given
         if not 0 <= number <= n_layers:
             raise InvalidRequest(
-                f"layer {layer} does not exist: the model has {n_layers} layers "
+                f"layer {given} does not exist: the model has {n_layers} layers "
                 f"(0 = embedding, 1..{n_layers}; negative numbers count back from {n_layers})"
             )
         picked.add(number)
@@ -241,13 +241,13 @@ def normalise_positions(positions: Any, length: int) -> tuple[int, ...] | None:
         return None
     picked = set()
     for pos in as_list(positions):
-        pos = integer(pos) if integer(pos) is not None else pos
-        if isinstance(pos, bool) or not isinstance(pos, int) or not -length <= pos < length:
+        number = integer(pos)
+        if number is None or not -length <= number < length:
             raise InvalidRequest(
-                f"position {pos!r} is outside the prompt: it has {length} tokens "
-                f"(0..{length - 1}, or -{length}..-1 from the end)"
+                f"position {pos if number is None else number!r} is outside the prompt: it "
+                f"has {length} tokens (0..{length - 1}, or -{length}..-1 from the end)"
             )
-        picked.add(pos % length)
+        picked.add(number % length)
     if not picked:
         raise InvalidRequest("no positions picked")
     return tuple(sorted(picked))
@@ -256,15 +256,15 @@ def normalise_positions(positions: Any, length: int) -> tuple[int, ...] | None:
 def _target(tokenizer: Any, vocab: int, target: Any) -> Target:
     """A target token: an id (a numpy integer too), or the first token of a string's
     tokenization."""
-    target = integer(target) if integer(target) is not None else target
-    if isinstance(target, bool) or not isinstance(target, (str, int)):
-        raise InvalidRequest(f"a target is a string or a token id, not {type(target).__name__}")
-    if isinstance(target, int):
-        if not 0 <= target < vocab:
+    token_id = integer(target)
+    if token_id is not None:
+        if not 0 <= token_id < vocab:
             raise InvalidRequest(
-                f"target token id {target} is outside the vocabulary 0..{vocab - 1}"
+                f"target token id {token_id} is outside the vocabulary 0..{vocab - 1}"
             )
-        return Target(label=str(target), token_id=target, token=tokenizer.decode([target]))
+        return Target(label=str(token_id), token_id=token_id, token=tokenizer.decode([token_id]))
+    if not isinstance(target, str):
+        raise InvalidRequest(f"a target is a string or a token id, not {type(target).__name__}")
     ids = tokenizer(target, add_special_tokens=False)["input_ids"]
     if not ids:
         raise InvalidRequest(f"target {target!r} tokenizes to nothing: give a non-empty token")

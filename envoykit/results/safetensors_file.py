@@ -31,13 +31,14 @@ def read(source: Path | bytes, key: str, kind: str) -> tuple[dict[str, torch.Ten
     """The tensors of ``source`` (a file, or a file's bytes) and the JSON value under ``key``
     in its metadata; `InvalidRequest` ("not ``kind``", with what failed) unless it has both."""
     from safetensors import safe_open
-    from safetensors.torch import load, load_file
+    from safetensors.torch import load
 
     try:
         if isinstance(source, Path):
-            with safe_open(str(source), "pt") as handle:
+            with safe_open(str(source), "pt") as handle:  # one open for both
                 metadata = handle.metadata() or {}
-            tensors = load_file(str(source))
+                names = handle.keys()  # (a safe_open handle is not iterable itself)
+                tensors = {name: handle.get_tensor(name) for name in names}
         else:
             blob = bytes(source)
             tensors, metadata = load(blob), metadata_of(blob)

@@ -5,10 +5,11 @@ and return whole tensors; a logit lens runs on the ranks and ships back only wha
 """
 
 from envoykit import _compat, plot
+from envoykit.analyses.clamp import Clamp
 from envoykit.analyses.compare import Run, compare
 from envoykit.analyses.corpus import shipped_corpus
 from envoykit.analyses.patching import Ablate, Patch
-from envoykit.analyses.sae import SAE, Clamp
+from envoykit.analyses.sae import SAE
 from envoykit.analyses.sae_training import train_sae
 from envoykit.analyses.steering import Steer
 from envoykit.analyses.tuned import LensQuality, TunedLens

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit.analyses.clamp import Clamp
 from envoykit.analyses.patching import Patch, as_patches, head_shape, plan_writes, source_writes
 from envoykit.analyses.request import (
     as_list,
@@ -30,7 +31,6 @@ from envoykit.analyses.request import (
     one_prompt,
     single_token_target,
 )
-from envoykit.analyses.sae import Clamp
 from envoykit.analyses.steering import Steer, as_steers, engine_steers, plan_additions
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Write, at, normalize, walk, writes_by_layer

@@ -22,7 +22,7 @@ from envoykit.model.readout import Addition, Readout, at, at_step, walk, writes_
 
 if TYPE_CHECKING:
     from envoykit.analyses.base import EngineBase
-    from envoykit.analyses.sae import Clamp
+    from envoykit.analyses.clamp import Clamp
     from envoykit.analyses.steering import Steer
     from envoykit.results.steering import Generation
 

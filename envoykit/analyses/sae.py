@@ -11,24 +11,21 @@ token, then ReLU). `envoykit.analyses.sae_files` reads SAELens's, sparsify's and
 Scope's files into one; `envoykit.ranks.sae` runs it on the ranks, each holding its slice of
 the features.
 
-Where it reads: envoykit's (layer, site), taken from the SAE's hook name (TransformerLens's
-``blocks.L.hook_resid_post``, or a Hugging Face module path such as ``model.layers.L``) or
-given. envoykit's layer n is the stream after n decoder layers (0: the embedding), so
-TransformerLens's ``blocks.L.hook_resid_pre`` is envoykit's layer L and
-``blocks.L.hook_resid_post`` layer L + 1.
+Where it reads: envoykit's (layer, site), taken from the SAE's hook name
+(`envoykit.analyses.sae_hooks`) or given.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from envoykit.analyses.sae_hooks import SAE_SITES
 from envoykit.analyses.tuned import InstalledTranslators
 from envoykit.errors import InvalidRequest
 from envoykit.ranks.sae import normalized
@@ -36,41 +33,6 @@ from envoykit.results import safetensors_file
 
 ARCHITECTURES = ("relu", "jumprelu", "topk")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
-SAE_SITES = ("resid", "resid_mid", "attn", "mlp")
-# TransformerLens hook -> (layer offset from the block's number, envoykit site).
-_TL_HOOKS = {
-    "hook_resid_pre": (0, "resid"),
-    "hook_resid_mid": (1, "resid_mid"),
-    "hook_resid_post": (1, "resid"),
-    "hook_attn_out": (1, "attn"),
-    "hook_mlp_out": (1, "mlp"),
-}
-# The last part of a Hugging Face module path inside a decoder layer -> envoykit site.
-_HF_MODULES = {"": "resid", "mlp": "mlp", "self_attn": "attn", "attn": "attn"}
-HOOKS_KNOWN = (
-    "blocks.L.hook_resid_pre, blocks.L.hook_resid_mid, blocks.L.hook_resid_post, "
-    "blocks.L.hook_attn_out, blocks.L.hook_mlp_out (TransformerLens, L from 0), "
-    "model.layers.L, model.layers.L.mlp, model.layers.L.self_attn, embed_tokens "
-    "(Hugging Face modules)"
-)
-
-
-def site_of_hook(hook: str) -> tuple[int, str]:
-    """envoykit's (layer, site) of a TransformerLens hook name or a Hugging Face module path;
-    `InvalidRequest` naming the hooks known for anything else."""
-    found = re.fullmatch(r"blocks\.(\d+)\.(hook_\w+)", hook)
-    if found and found.group(2) in _TL_HOOKS:
-        offset, site = _TL_HOOKS[found.group(2)]
-        return int(found.group(1)) + offset, site
-    if re.fullmatch(r"(model\.)*(language_model\.)?embed_tokens|hook_embed", hook):
-        return 0, "resid"
-    found = re.fullmatch(r"(?:[\w.]*\.)?(?:layers|h)\.(\d+)(?:\.(\w+))?", hook)
-    if found and (found.group(2) or "") in _HF_MODULES:
-        return int(found.group(1)) + 1, _HF_MODULES[found.group(2) or ""]
-    raise InvalidRequest(
-        f"envoykit does not know where hook {hook!r} reads: give site= and layer= "
-        f"(sites: {', '.join(SAE_SITES)}); hooks it maps: {HOOKS_KNOWN}"
-    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,21 +155,21 @@ class SAE:
         name."""
         from envoykit.analyses.sae_files import read
 
-        return read(Path(path), site=site, layer=layer, model_check=model_check)
+        return cls(**read(Path(path), site=site, layer=layer, model_check=model_check))
 
     @classmethod
     def from_sae_lens(cls, sae: Any, *, site: str | None = None, layer: int | None = None) -> SAE:
         """Wrap a live SAELens ``SAE`` object (sae-lens installed beside envoykit)."""
         from envoykit.analyses.sae_files import from_sae_lens
 
-        return from_sae_lens(sae, site=site, layer=layer)
+        return cls(**from_sae_lens(sae, site=site, layer=layer))
 
     def save(self, path: str | Path) -> Path:
         """Write this SAE in SAELens's format (``cfg.json`` + ``sae_weights.safetensors``),
         which SAELens's ``SAE.load_from_disk`` opens; the directory."""
         from envoykit.analyses.sae_files import write_sae_lens
 
-        return write_sae_lens(self, Path(path))
+        return write_sae_lens(Path(path), self.config(), self._tensors())
 
     def to_wire(self) -> tuple[str, bytes]:
         """What the ranks install (`envoykit.ranks.sae.unpack`): a JSON config and the
@@ -233,14 +195,18 @@ class SAE:
             if getattr(self, name) is not None
         }
 
+    def config(self) -> dict[str, Any]:
+        """Every field but the tensors: what `SAE(**config, **tensors)` needs besides them."""
+        return {name: getattr(self, name) for name in _CONFIG_FIELDS}
+
     def to_bytes(self) -> bytes:
         """The whole SAE as one safetensors blob, its tensors and (in the metadata) every
         other field: what a connection sends a server, data only (no pickle), read back by
         `from_bytes` with the same key."""
         from safetensors.torch import save as save_tensors
 
-        config = {name: getattr(self, name) for name in _CONFIG_FIELDS}
-        return save_tensors(self._tensors(), metadata={_METADATA_KEY: json.dumps(config)})
+        config = json.dumps(self.config())
+        return save_tensors(self._tensors(), metadata={_METADATA_KEY: config})
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> SAE:
@@ -401,73 +367,3 @@ def as_saes(sae: Any) -> list[SAE]:
             f"features take an ek.SAE or a list of them (ek.SAE.load(path)), not {sae!r}"
         )
     return items
-
-
-@dataclass(frozen=True, eq=False)
-class Clamp:
-    """Set SAE features to values in the stream at the SAE's site: the stream ``x`` becomes
-    ``x + (value - a_f) * W_dec[f]`` for each feature ``f`` (``a_f`` its activation there),
-    so everything the SAE does not reconstruct stays. ``value=0`` ablates the feature.
-
-    ``feature``: an id or a list of them; ``value``: one number for all, or one per feature.
-    ``positions``: token positions of the prompt, or None for every position, generated
-    tokens included. Accepted wherever a steer is (``steer=`` of `lens`, `generate`,
-    `trace`) and as a ``patch=`` of `lens`.
-    """
-
-    sae: SAE
-    feature: Any
-    value: Any = 0.0
-    positions: Any = None
-
-    @property
-    def layer(self) -> int:
-        return self.sae.layer
-
-    @property
-    def site(self) -> str:
-        return self.sae.site
-
-    def pairs(self) -> tuple[tuple[int, float], ...]:
-        """(feature, value) of each clamped feature, checked."""
-        import math
-
-        import numpy as np
-
-        if not isinstance(self.sae, SAE):
-            raise InvalidRequest(f"ek.Clamp takes an ek.SAE, not {type(self.sae).__name__}")
-        many = isinstance(self.feature, (list, tuple, np.ndarray))
-        features = [self.sae.check_feature(f) for f in (self.feature if many else [self.feature])]
-        if not features:
-            raise InvalidRequest("ek.Clamp names no feature")
-        values = (
-            list(self.value)
-            if isinstance(self.value, (list, tuple, np.ndarray))
-            else [self.value] * len(features)
-        )
-        if len(values) != len(features):
-            raise InvalidRequest(
-                f"ek.Clamp has {len(features)} features but {len(values)} values: give one "
-                "value, or one per feature"
-            )
-        for value in values:
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float, np.number))
-                or not math.isfinite(value)
-            ):
-                raise InvalidRequest(f"a clamp's value is a finite number, not {value!r}")
-        return tuple((f, float(v)) for f, v in zip(features, values))
-
-    def describe(self) -> dict[str, Any]:
-        """What a result's ``meta["steer"]`` records of this clamp."""
-        positions = self.positions
-        return {
-            "clamp": [[f, v] for f, v in self.pairs()],
-            "sae": self.sae.key,
-            "layer": self.layer,
-            "site": self.site,
-            "positions": positions
-            if positions is None or isinstance(positions, int)
-            else [int(p) for p in positions],
-        }

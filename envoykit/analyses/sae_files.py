@@ -1,4 +1,5 @@
-"""Reading and writing the SAE files researchers have, into and out of `envoykit.analyses.sae.SAE`.
+"""Reading and writing the SAE files researchers have: each read gives the keyword arguments
+of `envoykit.analyses.sae.SAE`, which checks them, and a write takes its fields and tensors.
 
 envoykit reads the formats itself rather than depending on sae-lens (36 more packages,
 among them TransformerLens, datasets and wandb) or sparsify:
@@ -27,8 +28,11 @@ from typing import Any
 
 import torch
 
-from envoykit.analyses.sae import SAE, site_of_hook
+from envoykit.analyses.sae_hooks import site_of_hook, tl_hook
 from envoykit.errors import InvalidRequest
+
+# The keyword arguments of an `SAE`: its tensors, where it reads, and its options.
+SAEArguments = dict[str, Any]
 
 _SAE_LENS_WEIGHTS = "sae_weights.safetensors"
 _SPARSIFY_WEIGHTS = "sae.safetensors"
@@ -42,7 +46,7 @@ _SAE_LENS_ARCHITECTURES = {
 }
 
 
-def read(path: Path, *, site: str | None, layer: int | None, model_check: bool) -> SAE:
+def read(path: Path, *, site: str | None, layer: int | None, model_check: bool) -> SAEArguments:
     """The SAE at ``path`` (a directory, or a ``params.npz`` file), whatever its format."""
     if path.is_file() and path.name.endswith(".npz"):
         return _gemma_scope(path, site, layer, model_check)
@@ -68,7 +72,7 @@ def read(path: Path, *, site: str | None, layer: int | None, model_check: bool) 
     )
 
 
-def _sae_lens(path: Path, site: str | None, layer: int | None, model_check: bool) -> SAE:
+def _sae_lens(path: Path, site: str | None, layer: int | None, model_check: bool) -> SAEArguments:
     cfg = _config(path)
     metadata = cfg.get("metadata") or {}
     name = cfg.get("architecture", "standard")
@@ -114,7 +118,7 @@ def _fold_decoder_norm(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     }
 
 
-def _sparsify(path: Path, site: str | None, layer: int | None, model_check: bool) -> SAE:
+def _sparsify(path: Path, site: str | None, layer: int | None, model_check: bool) -> SAEArguments:
     cfg = _config(path)
     for option in ("skip_connection", "transcode"):
         if cfg.get(option):
@@ -156,7 +160,9 @@ def _sparsify_model(path: Path) -> str | None:
         return None
 
 
-def _gemma_scope(path: Path, site: str | None, layer: int | None, model_check: bool) -> SAE:
+def _gemma_scope(
+    path: Path, site: str | None, layer: int | None, model_check: bool
+) -> SAEArguments:
     import numpy as np
 
     if layer is None:
@@ -193,7 +199,7 @@ def _build(
     layer: int | None,
     model_check: bool,
     **options: Any,
-) -> SAE:
+) -> SAEArguments:
     """The SAE of ``tensors``, placed by ``hook`` unless ``site``/``layer`` say otherwise."""
     needed = {"W_enc", "b_enc", "W_dec", "b_dec"} | (
         {"threshold"} if architecture == "jumprelu" else set()
@@ -207,7 +213,7 @@ def _build(
         site = hook_site if site is None else site
     if layer is None:
         raise InvalidRequest(f"{path}: the SAE names no hook: give layer= (and site=)")
-    return SAE(
+    return dict(
         architecture=architecture,
         W_enc=tensors["W_enc"],
         b_enc=tensors["b_enc"],
@@ -243,7 +249,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         raise InvalidRequest(f"{path} is not a readable safetensors file: {error}") from None
 
 
-def from_sae_lens(sae: Any, *, site: str | None, layer: int | None) -> SAE:
+def from_sae_lens(sae: Any, *, site: str | None, layer: int | None) -> SAEArguments:
     """`SAE` of a live SAELens object: its config and its parameters."""
     cfg = sae.cfg.to_dict() if hasattr(sae.cfg, "to_dict") else dict(vars(sae.cfg))
     state = {name: value.detach() for name, value in sae.state_dict().items()}
@@ -272,42 +278,33 @@ def from_sae_lens(sae: Any, *, site: str | None, layer: int | None) -> SAE:
     )
 
 
-def write_sae_lens(sae: SAE, path: Path) -> Path:
-    """``sae`` as SAELens 6 saves one (``cfg.json`` + ``sae_weights.safetensors``)."""
+def write_sae_lens(path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """An SAE as SAELens 6 saves one (``cfg.json`` + ``sae_weights.safetensors``), from its
+    fields (`SAE.config`) and tensors."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    architecture = {"relu": "standard"}.get(sae.architecture, sae.architecture)
-    hook = sae.hook_name or tl_hook(sae.layer, sae.site)
+    architecture = config["architecture"]
+    d_in, d_sae = tensors["W_enc"].shape
+    hook = config["hook_name"] or tl_hook(config["layer"], config["site"])
     cfg: dict[str, Any] = {
-        "architecture": architecture,
-        "d_in": sae.d_in,
-        "d_sae": sae.d_sae,
+        "architecture": {"relu": "standard"}.get(architecture, architecture),
+        "d_in": int(d_in),
+        "d_sae": int(d_sae),
         "dtype": "float32",
         "device": "cpu",
-        "apply_b_dec_to_input": sae.apply_b_dec_to_input,
-        "normalize_activations": sae.normalize_activations,
+        "apply_b_dec_to_input": config["apply_b_dec_to_input"],
+        "normalize_activations": config["normalize_activations"],
         "reshape_activations": "none",
-        "metadata": {"model_name": sae.model_name, "hook_name": hook, "hook_head_index": None},
+        "metadata": {
+            "model_name": config["model_name"],
+            "hook_name": hook,
+            "hook_head_index": None,
+        },
     }
-    if sae.architecture == "topk":
-        cfg["k"] = sae.k
+    if architecture == "topk":
+        cfg["k"] = config["k"]
         cfg["rescale_acts_by_decoder_norm"] = False
-    tensors = {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
-    if sae.threshold is not None:
-        tensors["threshold"] = sae.threshold
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / _SAE_LENS_WEIGHTS)
     (path / "cfg.json").write_text(json.dumps(cfg, indent=2))
     return path
-
-
-def tl_hook(layer: int, site: str) -> str:
-    """The TransformerLens hook name of envoykit's (layer, site)."""
-    if site == "resid":
-        return (
-            f"blocks.{layer}.hook_resid_pre"
-            if layer == 0
-            else f"blocks.{layer - 1}.hook_resid_post"
-        )
-    name = {"resid_mid": "hook_resid_mid", "attn": "hook_attn_out", "mlp": "hook_mlp_out"}[site]
-    return f"blocks.{layer - 1}.{name}"

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from envoykit.analyses.sae import SAE
-from envoykit.analyses.sae_files import tl_hook
+from envoykit.analyses.sae_hooks import tl_hook
 from envoykit.analyses.sae_plan import AUXK_ALPHA, Plan
 
 # Rows per chunk when the held-out rows are encoded.

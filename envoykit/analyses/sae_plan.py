@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envoykit.analyses.request import check_count
-from envoykit.analyses.sae import SAE_SITES
+from envoykit.analyses.sae_hooks import SAE_SITES
 from envoykit.errors import InvalidRequest
 
 if TYPE_CHECKING:

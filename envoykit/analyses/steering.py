@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit.analyses.clamp import Clamp
 from envoykit.analyses.request import normalise_layers
-from envoykit.analyses.sae import SAE, Clamp
+from envoykit.analyses.sae import SAE
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Cell
 from envoykit.ranks.sae import SAEEdit

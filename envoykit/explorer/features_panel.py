@@ -27,7 +27,8 @@ from typing import Any
 import ipywidgets as widgets
 import numpy as np
 
-from envoykit.analyses.sae import SAE, Clamp
+from envoykit.analyses.clamp import Clamp
+from envoykit.analyses.sae import SAE
 from envoykit.errors import InvalidRequest
 from envoykit.explorer.feature_html import (
     activation_html,

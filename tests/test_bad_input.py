@@ -179,6 +179,10 @@ def test_numpy_arrays_are_lists_of_integers(tiny2):
     np.testing.assert_array_equal(same.weights, pattern.weights)
     att = tiny2.attribute(PROMPT, [5], positions=np.array([-1]))
     np.testing.assert_array_equal(att.values, tiny2.attribute(PROMPT, [5], positions=[-1]).values)
+    sweep = {"target_token": np.int64(5), "positions": np.array([-1]), "progress": False}
+    one = tiny2.patch_sweep("The capital of Italy is", PROMPT, layers=1, **sweep)
+    same_sweep = tiny2.patch_sweep("The capital of Italy is", PROMPT, layers=np.int64(1), **sweep)
+    np.testing.assert_array_equal(same_sweep.values, one.values)
     patched = tiny2.lens(PROMPT, patch=ek.Patch("The capital of Italy is", layer=np.int64(1)))
     assert patched.meta["patches"][0]["layer"] == 1
     assert ek.LensResult.from_json(patched.to_json()).meta == patched.meta

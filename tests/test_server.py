@@ -33,7 +33,7 @@ import pytest
 from seeded import seeded_tuned_lens
 
 import envoykit as ek
-from envoykit.analyses.sae import InstalledSAEs
+from envoykit.analyses.installed import InstalledSAEs
 from envoykit.runtime.cleanup import mapped_segments
 from envoykit.serve import tokens
 

@@ -20,7 +20,11 @@ import numpy as np
 import torch
 
 from envoykit import _compat as compat
+from envoykit._compat import Model, Tokenizer
 from envoykit.analyses.request import (
+    HeadSpec,
+    LayerSpec,
+    PositionSpec,
     as_list,
     check_head,
     integer,
@@ -57,15 +61,15 @@ class AttentionRequest:
 
 
 def build_request(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     layout: HeadLayout,
     n_layers: int,
     max_model_len: int,
     prompt: str,
     *,
-    layers: Any = None,
-    heads: Any = None,
-    queries: Any = None,
+    layers: LayerSpec = None,
+    heads: HeadSpec = None,
+    queries: PositionSpec = None,
     top_k: int | None = None,
 ) -> AttentionRequest:
     """Check an attention request before anything reaches the ranks."""
@@ -106,7 +110,7 @@ def _heads(heads: Any, n_heads: int) -> tuple[int, ...]:
 
 
 def run(
-    model: Any,
+    model: Model,
     readout: Readout,
     request: AttentionRequest,
     meta: dict[str, Any],
@@ -184,9 +188,9 @@ def attention(
     engine: EngineBase,
     prompt: str,
     *,
-    layers: Any = None,
-    heads: Any = None,
-    queries: Any = None,
+    layers: LayerSpec = None,
+    heads: HeadSpec = None,
+    queries: PositionSpec = None,
     top_k: int | None = None,
 ) -> AttentionResult:
     """Attention patterns of ``prompt``, each computed on the rank that holds its head.

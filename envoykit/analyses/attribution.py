@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from envoykit import _compat as compat
-from envoykit.analyses import selfcheck
+from envoykit._compat import Model, Tokenizer
 from envoykit.analyses.request import (
     Target,
     normalise_positions,
@@ -61,7 +61,7 @@ class AttributionRequest:
 
 
 def build_request(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     vocab: int,
     max_model_len: int,
     prompt: str,
@@ -203,7 +203,7 @@ def head_statistics(
 
 
 def run(
-    model: Any,
+    model: Model,
     readout: Readout,
     request: AttributionRequest,
     meta: dict[str, Any],
@@ -246,7 +246,7 @@ def run(
 
 
 def _result(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     request: AttributionRequest,
     n: int,
     stats: dict[str, torch.Tensor],
@@ -302,7 +302,7 @@ def attribute(
     whose heads add up to their layer's attention row).
     """
     engine.readout.require("attribution")
-    selfcheck.require(engine.info, "attribution")
+    engine.info.require("attribution")
     if heads is True:
         engine.readout.require_heads("per-head attributions")
     info = engine.info

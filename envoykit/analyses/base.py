@@ -17,25 +17,32 @@ the guard is free, so a long sweep lets other requests in.
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from envoykit import _compat as compat
-from envoykit.analyses import selfcheck
 from envoykit.analyses.in_flight import LensesInFlight
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Readout
+from envoykit.model.readout import Readout, at
 
 if TYPE_CHECKING:
-    from envoykit.analyses.sae import SAE
-    from envoykit.analyses.tuned import TunedLens
     from envoykit.runtime.info import ModelInfo
+
+# How many rows of the unembedding a model's fingerprint hashes.
+FINGERPRINT_ROWS = 64
 
 
 class EngineBase:
     """What analyses read from an engine; subclasses provide `model`, `info` and `exclusive`."""
+
+    # The lens, bound by the surface (`envoykit.analyses.lens.lens`): a tuned lens measures
+    # itself with it. Declared here, not imported, as the lens's module imports this one.
+    lens: Callable[..., Any]
 
     @property
     def model(self) -> Any:
@@ -90,41 +97,38 @@ class EngineBase:
         raise InvalidRequest(f"{type(self).__name__} cannot steer a trace")
 
     def fingerprint(self) -> dict[str, Any]:
-        """This model's fingerprint (`envoykit.analyses.tuned.fingerprint`), measured once."""
-        from envoykit.analyses.tuned import fingerprint
+        """What identifies this model (`envoykit.results.identity`), measured once: its name
+        and shape, and a hash of `FINGERPRINT_ROWS` rows of its unembedding rounded to
+        bfloat16."""
+        import nnsight
 
         found = getattr(self, "_fingerprint", None)
         if found is None:
-            found = self._fingerprint = fingerprint(self)
+            model, readout = self.model, self.readout
+            ids = fingerprint_ids(self.info.vocab)
+            with self.exclusive(), model.trace("The", temperature=0.0, max_tokens=1):
+                rows = nnsight.save(at(model, readout.unembedding).rows(ids).float().cpu())
+            found = self._fingerprint = fingerprint_of(self.info, rows)
         return found
 
-    def _require_sae(self, sae: SAE) -> str:
-        """``sae`` checked against this model and installed on the ranks; its key."""
-        from envoykit.analyses.sae import SAE
-
-        if not isinstance(sae, SAE):
-            raise InvalidRequest(f"expected an ek.SAE, not {type(sae).__name__}")
-        sae.check_engine(self.info)
-        self.readout.require("SAE features")
-        self._require_sites([sae.site])
-        return self._install_sae(sae)
-
-    def _install_sae(self, sae: SAE) -> str:
+    def _install_sae(self, sae: Any) -> str:
         """Make ``sae``'s slices available on the ranks; its key. Engines that can reach
-        their ranks override this."""
+        their ranks override this (``sae``: an `envoykit.analyses.sae.SAE`, named only
+        there, since the analyses' modules import this one)."""
         raise InvalidRequest(f"{type(self).__name__} cannot install SAEs on its ranks")
 
-    def _install_translator(self, translator: TunedLens) -> str:
+    def _install_translator(self, translator: Any) -> str:
         """Make ``translator`` available on the ranks; its key. Engines that can reach their
-        ranks override this."""
+        ranks override this (``translator``: an `envoykit.analyses.tuned.TunedLens`, named
+        only there)."""
         raise InvalidRequest(f"{type(self).__name__} cannot install tuned-lens translators")
 
     def _require_sites(self, sites: Sequence[str]) -> None:
         """Refuse what this model's layers cannot give, or what the self-check disabled."""
         self.readout.require_sites(sites)
-        selfcheck.require(self.info, "lens")
+        self.info.require("lens")
         if any(site != "resid" for site in sites):
-            selfcheck.require(self.info, "sites")
+            self.info.require("sites")
 
     def _result_meta(self) -> dict[str, Any]:
         """What every result records about the engine that produced it."""
@@ -136,3 +140,21 @@ class EngineBase:
         from envoykit.model.envoys import whole_locations
 
         return whole_locations(compat.envoy_module(self.model))
+
+
+def fingerprint_ids(vocab: int) -> torch.Tensor:
+    """The token ids whose unembedding rows `EngineBase.fingerprint` hashes."""
+    return torch.linspace(0, vocab - 1, FINGERPRINT_ROWS).long()
+
+
+def fingerprint_of(info: ModelInfo, rows: torch.Tensor) -> dict[str, Any]:
+    """The fingerprint of a model of `ModelInfo` ``info`` whose `fingerprint_ids` rows of
+    the unembedding are ``rows``."""
+    digest = hashlib.sha256(rows.bfloat16().view(torch.int16).numpy().tobytes()).hexdigest()
+    return {
+        "name": info.name,
+        "n_layers": info.n_layers,
+        "d_model": info.d_model,
+        "vocab": info.vocab,
+        "head_hash": digest,
+    }

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from envoykit._compat import Model, Tokenizer
 from envoykit.analyses import corpus, request
 from envoykit.analyses.corpus import Piece, batches, pieces
-from envoykit.analyses.request import Row
+from envoykit.analyses.request import Documents, LayerSpec, PositionSpec, Row
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Readout, at, walk
 from envoykit.results.activations import StoreWriter, row_key, text_chain
@@ -43,7 +44,7 @@ def piece_positions(piece: Piece, positions: Sequence[int] | None) -> list[int]:
 
 
 def activations(
-    model: Any,
+    model: Model,
     readout: Readout,
     batch: Sequence[Piece],
     rows: Sequence[Row],
@@ -137,9 +138,9 @@ class ChainedTexts:
 
 
 def run(
-    model: Any,
+    model: Model,
     readout: Readout,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     texts: Iterable[str],
     writer: StoreWriter,
     rows: Sequence[Row],
@@ -175,12 +176,12 @@ def run(
 
 def collect(
     engine: EngineBase,
-    texts: Any,
+    texts: Documents,
     *,
     out: str,
-    layers: Any = None,
+    layers: LayerSpec = None,
     sites: str | Sequence[str] = ("resid",),
-    positions: Any = None,
+    positions: PositionSpec = None,
     dtype: str = "bfloat16",
     max_length: int | None = None,
     batch_tokens: int = 4096,
@@ -222,7 +223,7 @@ def collect(
     }
     writer = StoreWriter.open(out, settings)
     with corpus.progress_bar(progress, "collect", total) as bar:
-        if total is not None and writer.documents_done:  # a rerun: those are done
+        if isinstance(texts, Sequence) and writer.documents_done:  # a rerun: those are done
             bar.update(corpus.total_tokens(tokenizer, texts[: writer.documents_done], vocab))
         run(
             engine.model,

@@ -22,9 +22,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit._compat import Model, Tokenizer
 from envoykit.analyses.clamp import Clamp
 from envoykit.analyses.patching import Patch, as_patches, head_shape, plan_writes, source_writes
 from envoykit.analyses.request import (
+    LayerSpec,
+    PositionSpec,
+    TargetSpec,
     as_list,
     normalise_layers,
     normalise_positions,
@@ -47,7 +51,7 @@ if TYPE_CHECKING:
 class Run:
     """One side of a comparison: a prompt on an engine, optionally patched and steered."""
 
-    engine: Any
+    engine: EngineBase
     prompt: str
     patch: Patch | Sequence[Patch] | None = None
     steer: Steer | Clamp | Sequence[Steer | Clamp] | None = None
@@ -80,9 +84,9 @@ def compare(
     a: Any,
     b: Any,
     *,
-    layers: Any = None,
-    positions: Any = None,
-    targets: Any = (),
+    layers: LayerSpec = None,
+    positions: PositionSpec = None,
+    targets: TargetSpec = (),
     budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> CompareResult:
     """Compare run ``a`` with run ``b`` cell by cell (see the module docstring).
@@ -130,7 +134,7 @@ def _token_ids(a: Run, b: Run, positions: Any) -> list[list[int]]:
 def _result(
     a: Run,
     b: Run,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     ids: list[list[int]],
     picked: tuple[int, ...],
     rows: Sequence[int],
@@ -176,7 +180,7 @@ def _writes(run: Run, ids: list[int]) -> Sequence[Write | Addition]:
 
 
 def _normed_rows(
-    model: Any,
+    model: Model,
     readout: Any,
     layers: Sequence[int],
     writes: Sequence[Write | Addition],
@@ -192,7 +196,7 @@ def _normed_rows(
 
 
 def normed_rows(
-    engine: Any,
+    engine: EngineBase,
     prompt: str,
     layers: Sequence[int],
     positions: Sequence[int],
@@ -210,7 +214,7 @@ def normed_rows(
 
 
 def compared_rows(
-    engine: Any,
+    engine: EngineBase,
     prompt: str,
     layers: Sequence[int],
     positions: Sequence[int],

@@ -18,8 +18,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from envoykit._compat import Tokenizer
 from envoykit.analyses.request import check_count
 from envoykit.errors import InvalidRequest
 
@@ -56,7 +57,9 @@ def documents(texts: Any) -> Iterator[str]:
     return itertools.chain([first], stream)
 
 
-def pieces(tokenizer: Any, texts: Iterable[Any], max_length: int, vocab: int) -> Iterator[Piece]:
+def pieces(
+    tokenizer: Tokenizer, texts: Iterable[Any], max_length: int, vocab: int
+) -> Iterator[Piece]:
     """Every document's pieces in corpus order (`Piece`), documents numbered from 0; a
     document that tokenizes to nothing has none."""
     for doc, document in enumerate(texts):
@@ -65,7 +68,7 @@ def pieces(tokenizer: Any, texts: Iterable[Any], max_length: int, vocab: int) ->
             yield Piece(doc, start, tuple(ids[start : start + max_length]))
 
 
-def document_ids(tokenizer: Any, document: Any, doc: int, vocab: int) -> list[int]:
+def document_ids(tokenizer: Tokenizer, document: Any, doc: int, vocab: int) -> list[int]:
     """A document's token ids: a string tokenized as a prompt is (special tokens added), or
     a list of token ids taken as they are (a pre-tokenized dataset), each checked."""
     if isinstance(document, str):
@@ -104,7 +107,17 @@ def batches(
         yield group
 
 
-def progress_bar(progress: Any, what: str, total: int | None = None) -> AbstractContextManager:
+class ProgressBar(Protocol):
+    """A caller's own progress bar: tqdm's two methods that corpus work reports through."""
+
+    def update(self, n: int) -> object: ...
+
+    def set_postfix(self, **values: Any) -> object: ...
+
+
+def progress_bar(
+    progress: bool | ProgressBar, what: str, total: int | None = None
+) -> AbstractContextManager:
     """The bar a corpus analysis reports its tokens to: tqdm's in tokens/s for True (out of
     ``total`` tokens, when known), none for False, or the caller's own object with tqdm's
     ``update(n)`` and ``set_postfix(**kw)`` (a widget's; an exception it raises stops the
@@ -121,7 +134,7 @@ def progress_bar(progress: Any, what: str, total: int | None = None) -> Abstract
     return contextlib.nullcontext(progress)
 
 
-def total_tokens(tokenizer: Any, texts: Any, vocab: int) -> int | None:
+def total_tokens(tokenizer: Tokenizer, texts: Any, vocab: int) -> int | None:
     """How many tokens a corpus held in memory (a list) has, every document checked on the
     way, so a bad one is refused before anything starts; None for a stream, which is read
     only once."""

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit._compat import Model, Tokenizer
 from envoykit.analyses import corpus, request
 from envoykit.analyses.corpus import Piece, batches, pieces
 from envoykit.analyses.lens_run import computed_rows
+from envoykit.analyses.request import Documents, LayerSpec
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Readout, at, walk
 from envoykit.ranks.lens import DEFAULT_MEMORY_BUDGET, lens_statistics
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
 
 def piece_sums(
-    model: Any,
+    model: Model,
     readout: Readout,
     batch: Sequence[Piece],
     layers: Sequence[int],
@@ -82,9 +84,9 @@ def piece_sums(
 
 
 def run(
-    model: Any,
+    model: Model,
     readout: Readout,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     texts: Iterable[str],
     layers: Sequence[int],
     top_k: int,
@@ -118,9 +120,9 @@ def run(
 
 def lens_corpus(
     engine: EngineBase,
-    texts: Any,
+    texts: Documents,
     *,
-    layers: Any = None,
+    layers: LayerSpec = None,
     top_k: int = 1,
     translator: TunedLens | None = None,
     max_length: int | None = None,

@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit._compat import Model, Tokenizer
+from envoykit.analyses import sae as sae_module
 from envoykit.analyses.collect import ChainedTexts
 from envoykit.analyses.corpus import Piece, batches, check_max_length, pieces
-from envoykit.analyses.request import check_count
+from envoykit.analyses.request import Documents, check_count
 from envoykit.analyses.sae import SAE
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
@@ -35,6 +37,7 @@ from envoykit.results.feature_stats import ARRAYS, FeatureStats, StatsWriter
 
 if TYPE_CHECKING:
     from envoykit.analyses.base import EngineBase
+    from envoykit.runtime.info import ModelInfo
 
 # How often a run's state is written to its store (and once after the first trace).
 CHECKPOINT_SECONDS = 10.0
@@ -56,7 +59,7 @@ class StatsRequest:
 
 
 def build_request(
-    info: Any,
+    info: ModelInfo,
     sae: SAE,
     *,
     contexts: Any = 20,
@@ -155,9 +158,9 @@ _SLOTS = {
 
 
 def run(
-    model: Any,
+    model: Model,
     readout: Readout,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     texts: Iterable[Any],
     req: StatsRequest,
     vocab: int,
@@ -200,7 +203,7 @@ def run(
 
 
 def _trace(
-    model: Any,
+    model: Model,
     readout: Readout,
     sae: SAE,
     batch: list[Piece],
@@ -240,7 +243,7 @@ def _resumed(writer: StatsWriter | None, req: StatsRequest) -> Running:
     return Running(arrays, int(writer.index["tokens"]), int(writer.index["documents"]))
 
 
-def _token_texts(tokenizer: Any, window_ids: np.ndarray, known: dict[Any, str]) -> dict:
+def _token_texts(tokenizer: Tokenizer, window_ids: np.ndarray, known: dict[Any, str]) -> dict:
     """The text of every token id in the windows (``known`` ones reused, the new added)."""
     for i in np.unique(window_ids[window_ids >= 0]).tolist():
         if str(i) not in known:
@@ -251,7 +254,7 @@ def _token_texts(tokenizer: Any, window_ids: np.ndarray, known: dict[Any, str]) 
 def _write(
     writer: StatsWriter,
     running: Running,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     texts_of: dict,
     chain: str,
     meta: dict[str, Any],
@@ -270,7 +273,7 @@ def _write(
 
 def feature_stats(
     engine: EngineBase,
-    texts: Any,
+    texts: Documents,
     sae: SAE,
     *,
     contexts: int = 20,
@@ -300,7 +303,7 @@ def feature_stats(
         max_length=max_length,
         batch_tokens=batch_tokens,
     )
-    engine._require_sae(req.sae)
+    sae_module.require(engine, req.sae)
     documents = corpus.documents(texts)  # a corpus refused here leaves no store behind
     total = corpus.total_tokens(engine.tokenizer, texts, info.vocab)
     meta = {**engine._result_meta(), "sae": req.sae.describe()}

@@ -16,9 +16,11 @@ import numpy as np
 import torch
 
 from envoykit import _compat as compat
-from envoykit.analyses import selfcheck
-from envoykit.analyses.request import check_count, normalise_prompts, one_prompt
-from envoykit.analyses.sae import SAE, InstalledSAEs, as_saes
+from envoykit._compat import Model, Tokenizer
+from envoykit.analyses import sae as sae_module
+from envoykit.analyses.installed import InstalledSAEs
+from envoykit.analyses.request import Integers, check_count, normalise_prompts, one_prompt
+from envoykit.analyses.sae import SAE, as_saes
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
 from envoykit.model.readout import Readout, at, walk
@@ -31,6 +33,7 @@ from envoykit.results.features import (
 
 if TYPE_CHECKING:
     from envoykit.analyses.base import EngineBase
+    from envoykit.runtime.info import ModelInfo
 
 # The order `walk` returns a layer's rows in.
 _WALK_ORDER = ("attn", "resid_mid", "mlp", "resid")
@@ -48,8 +51,8 @@ class FeatureRequest:
 
 
 def build_request(
-    tokenizer: Any,
-    info: Any,
+    tokenizer: Tokenizer,
+    info: ModelInfo,
     prompt: str | Sequence[str],
     sae: SAE | Sequence[SAE],
     *,
@@ -81,7 +84,7 @@ def build_request(
 
 
 def run(
-    model: Any,
+    model: Model,
     readout: Readout,
     request: FeatureRequest,
     meta: dict[str, Any],
@@ -147,7 +150,7 @@ def read_features(
 
 
 def _assemble(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     request: FeatureRequest,
     meta: dict[str, Any],
     index: int,
@@ -190,8 +193,8 @@ class FeatureAttributionRequest:
 
 
 def build_attribution_request(
-    tokenizer: Any,
-    info: Any,
+    tokenizer: Tokenizer,
+    info: ModelInfo,
     prompt: str,
     sae: SAE,
     targets: Any,
@@ -222,7 +225,7 @@ def build_attribution_request(
 
 
 def attribute(
-    model: Any,
+    model: Model,
     readout: Readout,
     request: FeatureAttributionRequest,
     meta: dict[str, Any],
@@ -272,7 +275,7 @@ def attribute(
 
 
 def logit_effects(
-    model: Any,
+    model: Model,
     readout: Readout,
     sae: SAE,
     features: Sequence[int],
@@ -324,7 +327,7 @@ def features(
     sae: SAE | Sequence[SAE],
     *,
     top_k: int = 16,
-    features: Any = None,
+    features: Integers | None = None,
 ) -> Any:
     """SAE features of ``prompt``, each rank encoding its own slice of the features (see
     `envoykit.analyses.features`). ``sae``: an `ek.SAE` or a list of them (read in one
@@ -359,11 +362,11 @@ def attribute_features(
     effect per position and target, whose features, error and decoder bias add up to
     the effect of the SAE's site itself."""
     engine.readout.require("feature attribution")
-    selfcheck.require(engine.info, "attribution")
+    engine.info.require("attribution")
     req = build_attribution_request(
         engine.tokenizer, engine.info, prompt, sae, targets, positions=positions, top_k=top_k
     )
-    engine._require_sae(req.sae)
+    sae_module.require(engine, req.sae)
     return attribute(engine.model, engine.readout, req, engine._result_meta(), engine.exclusive)
 
 
@@ -381,7 +384,7 @@ def feature_logits(
     if not ids:
         raise InvalidRequest("feature_logits needs at least one feature id")
     k = check_count("k", k, 1)
-    engine._require_sae(sae)
+    sae_module.require(engine, sae)
     return logit_effects(
         engine.model,
         engine.readout,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from envoykit._compat import Model, Tokenizer
 from envoykit.analyses import steering
 from envoykit.analyses.request import check_count, one_prompt
 from envoykit.errors import InvalidRequest
@@ -125,7 +126,7 @@ def generation_ids(
 
 
 def steer_in_trace(
-    model: Any, readout: Readout, additions: Sequence[Addition], tracer: Any
+    model: Model, readout: Readout, additions: Sequence[Addition], tracer: Any
 ) -> None:
     """The body of a block that steers every step of whatever it runs in (an installed
     edit, see `Engine.trace`)."""
@@ -134,7 +135,7 @@ def steer_in_trace(
         walk(readout, layer_list, {}, writes_by_layer(additions))
 
 
-def stop_ids(tokenizer: Any) -> set[int]:
+def stop_ids(tokenizer: Tokenizer) -> set[int]:
     """Token ids plain generation stops at: the tokenizer's end of sequence and the
     checkpoint's generation config's (vLLM stops at both)."""
     ids = {tokenizer.eos_token_id} - {None}
@@ -165,7 +166,7 @@ def until_stop(ids: Sequence[int], stops: set[int]) -> list[int]:
 
 
 def generated_ids(
-    model: Any,
+    model: Model,
     readout: Readout,
     prompt: str,
     runs: Sequence[Sequence[Addition]],

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from envoykit.analyses import lens_run, request
+from envoykit.analyses import sae as sae_module
 from envoykit.analyses.compare import compare_prompts
 from envoykit.analyses.patching import PatchPlan, as_patches, plan_for, source_writes
-from envoykit.analyses.request import LensRequest
+from envoykit.analyses.request import LayerSpec, LensRequest, PositionSpec, TargetSpec
 from envoykit.analyses.steering import (
     as_list_of,
     engine_steers,
@@ -61,10 +62,10 @@ def lens(
     engine: EngineBase,
     prompt: str | list[str],
     *,
-    layers: Any = None,
-    positions: Any = None,
+    layers: LayerSpec = None,
+    positions: PositionSpec = None,
     top_k: int = 10,
-    targets: Any = (),
+    targets: TargetSpec = (),
     generate: int = 0,
     sites: str | Sequence[str] = ("resid",),
     reduce_dtype: str = "float32",
@@ -179,7 +180,7 @@ def build_plan(
         if len(req.prompts) != 1:
             raise InvalidRequest("a splice lens runs one prompt, not a list of them")
         edit = plan_splice(splice, info.n_layers, keep_error)
-        engine._require_sae(splice)
+        sae_module.require(engine, splice)
         meta["splice"] = {**splice.describe(), "keep_error": keep_error}
     return LensPlan(req, plan, tuple(additions), key, edit, meta)
 

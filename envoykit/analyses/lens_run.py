@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from envoykit._compat import Model, Tokenizer
 from envoykit.analyses.request import SITES, LensRequest, Row
 from envoykit.model.readout import Addition, Readout, Write, at, at_step, walk, writes_by_layer
 from envoykit.ranks import fidelity as fidelity_on_ranks
@@ -24,7 +25,7 @@ from envoykit.results.lens import LensResult
 
 
 def run(
-    model: Any,
+    model: Model,
     readout: Readout,
     request: LensRequest,
     meta: dict[str, Any],
@@ -138,7 +139,7 @@ def _plan(
 
 
 def _remember_plain(
-    model: Any, readout: Readout, layer_list: Any, norm: Any, fidelity: Fidelity
+    model: Model, readout: Readout, layer_list: Any, norm: Any, fidelity: Fidelity
 ) -> None:
     """Inside the plain run's invoke: its final distribution, kept on the ranks under
     ``fidelity.key`` for the spliced invoke to compare with."""
@@ -229,7 +230,7 @@ def _sites_by_layer(rows: list[Row]) -> list[tuple[int, set[str]]]:
 
 
 def _assemble(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     request: LensRequest,
     meta: dict[str, Any],
     index: int,

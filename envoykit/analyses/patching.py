@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from envoykit._compat import Model, Tokenizer
 from envoykit.analyses.request import (
     SITES,
     check_head,
@@ -147,7 +148,7 @@ def as_patches(patch: Patch | Ablate | Sequence[Patch | Ablate] | None) -> list[
 
 
 def plan_writes(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     patches: list[Patch | Ablate],
     target_ids: Sequence[int],
     n_layers: int,
@@ -193,7 +194,7 @@ def _ablation(
     return Write(cell, torch.zeros(size) if ablate.kind == "zero" else None)
 
 
-def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell]) -> list[Write]:
+def read_cells(model: Model, readout: Readout, prompt: str, cells: Sequence[Cell]) -> list[Write]:
     """Run ``prompt`` once and read the value of every cell (whole, any TP): one `Write` per
     cell, still at the cell's own position."""
     import nnsight
@@ -231,14 +232,14 @@ def read_cells(model: Any, readout: Readout, prompt: str, cells: Sequence[Cell])
     return writes
 
 
-def write_cells(model: Any, readout: Readout, writes: Sequence[Write | Addition]) -> None:
+def write_cells(model: Model, readout: Readout, writes: Sequence[Write | Addition]) -> None:
     """Inside a trace (one invoke): write every value (and make every addition) in this run,
     layer by layer."""
     walk(readout, at(model, readout.layers), {}, writes_by_layer(writes))
 
 
 def source_writes(
-    model: Any,
+    model: Model,
     readout: Readout,
     plan: PatchPlan,
     guard: Callable[[], AbstractContextManager],
@@ -265,7 +266,7 @@ def next_token_metric(
 
 
 def metric_of_runs(
-    model: Any,
+    model: Model,
     readout: Readout,
     prompt: str,
     runs: Sequence[Sequence[Write | Addition]],

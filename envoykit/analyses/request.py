@@ -8,14 +8,25 @@ tokenizer, and refused with an `InvalidRequest` that says what is valid.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from envoykit._compat import Tokenizer
 from envoykit.errors import InvalidRequest
 from envoykit.results.lens import SITES
 
-LayerSpec = int | str | range | Sequence[int | str] | None
+# The forms a request takes from a researcher, each checked whole by the normalisers below
+# (anything else is an `InvalidRequest` naming what is valid). Integers may be Python's or
+# numpy's, alone or in a list, tuple, range or array, as they come out of an analysis.
+Integers = int | np.integer | Sequence[int | np.integer] | np.ndarray
+LayerSpec = int | str | range | Sequence[int | str] | None  # numbers, "embed", "all"
+PositionSpec = Integers | None  # token positions, negative from the end; None: every one
+HeadSpec = Integers | None  # head numbers over the whole model; None: every head
+TargetSpec = str | int | np.integer | Sequence[str | int | np.integer] | np.ndarray
+Documents = Iterable[str] | Iterable[Sequence[int]]  # texts, or token ids taken as they are
 REDUCE_DTYPES = ("float32", "float64")
 # A lens row: (layer number, site); layer 0 (the embedding) has only "resid".
 Row = tuple[int, str]
@@ -44,16 +55,16 @@ class LensRequest:
 
 
 def build_request(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     n_layers: int,
     vocab: int,
     max_model_len: int,
     prompt: str | Sequence[str],
     *,
     layers: LayerSpec = None,
-    positions: int | Sequence[int] | None = None,
+    positions: PositionSpec = None,
     top_k: int = 10,
-    targets: str | int | Sequence[str | int] = (),
+    targets: TargetSpec = (),
     generate: int = 0,
     sites: str | Sequence[str] = ("resid",),
     reduce_dtype: str = "float32",
@@ -90,7 +101,7 @@ def build_request(
 
 
 def one_prompt(
-    tokenizer: Any, prompt: Any, max_model_len: int, what: str
+    tokenizer: Tokenizer, prompt: Any, max_model_len: int, what: str
 ) -> tuple[str, tuple[int, ...]]:
     """A single prompt for ``what`` ("attribute", "attention"), checked, and its token ids."""
     if not isinstance(prompt, str):
@@ -102,7 +113,7 @@ def one_prompt(
     return prompt, ids
 
 
-def token_ids(tokenizer: Any, text: str, max_model_len: int | None = None) -> tuple[int, ...]:
+def token_ids(tokenizer: Tokenizer, text: str, max_model_len: int | None = None) -> tuple[int, ...]:
     """``text``'s token ids as the engine runs them (special tokens added as vLLM adds
     them), the one place a prompt is tokenized; with ``max_model_len``, refused past it
     here rather than by vLLM mid-trace."""
@@ -236,7 +247,7 @@ def lens_rows(layers: Sequence[int], sites: Sequence[str]) -> tuple[Row, ...]:
     return rows
 
 
-def normalise_positions(positions: Any, length: int) -> tuple[int, ...] | None:
+def normalise_positions(positions: PositionSpec, length: int) -> tuple[int, ...] | None:
     if positions is None:
         return None
     picked = set()
@@ -253,7 +264,7 @@ def normalise_positions(positions: Any, length: int) -> tuple[int, ...] | None:
     return tuple(sorted(picked))
 
 
-def _target(tokenizer: Any, vocab: int, target: Any) -> Target:
+def _target(tokenizer: Tokenizer, vocab: int, target: Any) -> Target:
     """A target token: an id (a numpy integer too), or the first token of a string's
     tokenization."""
     token_id = integer(target)
@@ -271,7 +282,7 @@ def _target(tokenizer: Any, vocab: int, target: Any) -> Target:
     return Target(label=target, token_id=ids[0], token=tokenizer.decode([ids[0]]))
 
 
-def single_token_target(tokenizer: Any, vocab: int, target: Any) -> Target:
+def single_token_target(tokenizer: Tokenizer, vocab: int, target: Any) -> Target:
     """A target that is exactly one token: a string of several tokens is refused, with its
     tokenization shown, where taking its first token would silently answer another question
     (attribution of a logit is per token)."""
@@ -285,6 +296,6 @@ def single_token_target(tokenizer: Any, vocab: int, target: Any) -> Target:
     return _target(tokenizer, vocab, target)
 
 
-def describe_target(tokenizer: Any, text: str) -> list[str]:
+def describe_target(tokenizer: Tokenizer, text: str) -> list[str]:
     """How ``text`` tokenizes, token by token (the lens uses the first)."""
     return [tokenizer.decode([i]) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]

@@ -21,15 +21,18 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from envoykit.analyses.sae_hooks import SAE_SITES
-from envoykit.analyses.tuned import InstalledTranslators
 from envoykit.errors import InvalidRequest
 from envoykit.ranks.sae import normalized
 from envoykit.results import safetensors_file
+
+if TYPE_CHECKING:
+    from envoykit.analyses.base import EngineBase
+    from envoykit.runtime.info import ModelInfo
 
 ARCHITECTURES = ("relu", "jumprelu", "topk")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
@@ -279,7 +282,7 @@ class SAE:
             )
         return int(feature)
 
-    def check_engine(self, info: Any) -> None:
+    def check_engine(self, info: ModelInfo) -> None:
         """Refuse this SAE on an engine it does not fit: another width, a layer past the
         model's, or (unless ``model_check`` is False) another model's name."""
         if self.d_in != info.d_model:
@@ -328,7 +331,7 @@ _CONFIG_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def same_model(name: str, info: Any) -> bool:
+def same_model(name: str, info: ModelInfo) -> bool:
     """Whether an SAE's model name names the engine's model (by its name, or its checkpoint's
     last path part, ignoring case and an organisation prefix)."""
 
@@ -352,13 +355,6 @@ def _float32(name: str, value: Any) -> torch.Tensor:
     return value.detach().to("cpu", torch.float32, copy=True).contiguous()
 
 
-class InstalledSAEs(InstalledTranslators):
-    """Which SAEs an engine's ranks hold (each rank its slice), least recently used first:
-    at most `LIMIT`, which is also the most one request may read."""
-
-    LIMIT = 8
-
-
 def as_saes(sae: Any) -> list[SAE]:
     """One SAE or a list of them, as a list; anything else refused."""
     items = [sae] if isinstance(sae, SAE) else list(sae) if isinstance(sae, (list, tuple)) else None
@@ -367,3 +363,13 @@ def as_saes(sae: Any) -> list[SAE]:
             f"features take an ek.SAE or a list of them (ek.SAE.load(path)), not {sae!r}"
         )
     return items
+
+
+def require(engine: EngineBase, sae: SAE) -> str:
+    """``sae`` checked against ``engine``'s model and installed on its ranks; its key."""
+    if not isinstance(sae, SAE):
+        raise InvalidRequest(f"expected an ek.SAE, not {type(sae).__name__}")
+    sae.check_engine(engine.info)
+    engine.readout.require("SAE features")
+    engine._require_sites([sae.site])
+    return engine._install_sae(sae)

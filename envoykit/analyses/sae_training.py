@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from envoykit.analyses.corpus import progress_bar
+from envoykit.analyses.corpus import ProgressBar, progress_bar
+from envoykit.analyses.request import Documents
 from envoykit.analyses.sae import SAE
 from envoykit.analyses.sae_model import TrainingSAE
 from envoykit.analyses.sae_plan import Options, Plan, check_options, plan_run
@@ -78,8 +79,8 @@ def train_sae(
     buffer_tokens: int = 65536,
     seed: int = 0,
     out: str | Path | None = None,
-    texts: Any = None,
-    progress: Any = True,
+    texts: Documents | None = None,
+    progress: bool | ProgressBar = True,
 ) -> SAE:
     """Train an SAE of (``layer``, ``site``) on ``source`` and return it (`SAE`, float32,
     reading raw activations: ``normalize_activations="none"``).

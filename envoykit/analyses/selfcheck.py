@@ -10,22 +10,23 @@ second on ``demo``):
   layer, and the stream before the layer plus the attention's write is the stream between
   (for parallel blocks: the stream before plus both writes is the stream after).
 
-A check that fails disables what it vouches for (`require`), with the check named; the
+A check that fails disables what it vouches for (`ModelInfo.require`), with the check named; the
 others stay available. ``engine.info.validated`` lists what passed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from envoykit.errors import InvalidRequest
 
+if TYPE_CHECKING:
+    from envoykit.analyses.surface import EngineSurface
+
 PROMPT = "The capital of France is"
 CHECKS = ("lens", "attribution", "sites")
-# What each analysis relies on.
-NEEDS = {"lens": ("lens",), "attribution": ("attribution", "sites"), "sites": ("sites",)}
 
 
 def tolerance(dtype: str) -> float:
@@ -33,7 +34,7 @@ def tolerance(dtype: str) -> float:
     return 1e-4 if dtype == "float32" else 3e-2
 
 
-def run(engine: Any) -> dict[str, str | None]:
+def run(engine: EngineSurface) -> dict[str, str | None]:
     """Every check on ``engine``: None for a check that passed, else why it failed."""
     if engine.readout.family is None:
         reason = f"no readout contract for {engine.readout.architecture}"
@@ -61,7 +62,7 @@ def _failure(check: Any, *args: Any) -> str | None:
         return str(error)
 
 
-def _check_lens(engine: Any, res: Any, tol: float) -> str | None:
+def _check_lens(engine: EngineSurface, res: Any, tol: float) -> str | None:
     """``res``, the last layer's lens of `PROMPT`, against the model's own logits."""
     import nnsight
 
@@ -74,7 +75,7 @@ def _check_lens(engine: Any, res: Any, tol: float) -> str | None:
     return None
 
 
-def _check_attribution(engine: Any, res: Any, tol: float) -> str | None:
+def _check_attribution(engine: EngineSurface, res: Any, tol: float) -> str | None:
     """Attribution of the lens ``res``'s two most likely last tokens."""
     targets = [int(i) for i in res.top_ids[0, -1, :2]]
     try:
@@ -88,12 +89,13 @@ def _check_attribution(engine: Any, res: Any, tol: float) -> str | None:
     return None
 
 
-def _check_sites(engine: Any, tol: float) -> str | None:
+def _check_sites(engine: EngineSurface, tol: float) -> str | None:
     import nnsight
 
     from envoykit.model.readout import at, walk
 
     readout = engine.readout
+    assert readout.family is not None  # `run` checks nothing without a layer family
     parallel = readout.family.parallel
     layer = min(2, readout.n_layers)
     sites = {"attn", "mlp", "resid"} | (set() if parallel else {"resid_mid"})
@@ -120,16 +122,3 @@ def _check_sites(engine: Any, tol: float) -> str | None:
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     return x - x.max() - np.log(np.exp(x - x.max()).sum())
-
-
-def require(info: Any, what: str) -> None:
-    """Refuse ``what`` (an analysis) if a check it relies on failed at load (``info``: the
-    engine's `ModelInfo`, whose ``failed`` holds the failed checks and why)."""
-    failed = dict(info.failed)
-    for check in NEEDS.get(what, ()):
-        reason = failed.get(check)
-        if reason is not None:
-            raise InvalidRequest(
-                f"{what} is disabled on this engine: the self-check at load failed its "
-                f"{check!r} check ({reason})"
-            )

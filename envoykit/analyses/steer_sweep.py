@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from envoykit.analyses import generation, steering
-from envoykit.analyses.request import as_list, check_count, normalise_layers, single_token_target
+from envoykit.analyses.request import (
+    LayerSpec,
+    TargetSpec,
+    as_list,
+    check_count,
+    normalise_layers,
+    single_token_target,
+)
 from envoykit.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -24,8 +31,8 @@ def steer_sweep(
     *,
     scales: Sequence[float],
     max_tokens: int = 16,
-    targets: Any = (),
-    layers: Any = None,
+    targets: TargetSpec = (),
+    layers: LayerSpec = None,
     batch: int = 8,
     progress: bool = True,
 ) -> SteerSweepResult:

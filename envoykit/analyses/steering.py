@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit.analyses import sae as sae_module
 from envoykit.analyses.clamp import Clamp
 from envoykit.analyses.request import normalise_layers
 from envoykit.analyses.sae import SAE
@@ -258,7 +259,7 @@ def engine_steers(engine: EngineBase, steer: Any) -> list[Steer | Clamp]:
     steers = as_steers(steer)
     for item in steers:
         if isinstance(item, Clamp):
-            engine._require_sae(item.sae)
+            sae_module.require(engine, item.sae)
             continue
         model = getattr(item.vector, "model", None)
         if model is not None:

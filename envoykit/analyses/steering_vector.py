@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit._compat import Model
 from envoykit.analyses.request import normalise_prompts, token_ids
 from envoykit.analyses.steering import check_site
 from envoykit.errors import InvalidRequest
@@ -95,7 +96,7 @@ def _check_position(position: Any, shortest: int) -> None:
 
 
 def mean_difference(
-    model: Any,
+    model: Model,
     readout: Readout,
     positive: Sequence[str],
     negative: Sequence[str],
@@ -125,7 +126,7 @@ def mean_difference(
 
 
 def _streams_at(
-    model: Any,
+    model: Model,
     readout: Readout,
     prompts: Sequence[str],
     layer: int,

@@ -18,10 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from envoykit._compat import Model, Tokenizer
 from envoykit.analyses.patching import metric_of_runs, read_cells
 from envoykit.analyses.request import (
     SITES,
+    LayerSpec,
+    PositionSpec,
     Target,
+    as_list,
     normalise_layers,
     normalise_positions,
     normalise_prompts,
@@ -68,14 +72,14 @@ class SweepRequest:
 
 
 def build_request(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     n_layers: int,
     vocab: int,
     source: str,
     target: str,
     *,
-    layers: Any = None,
-    positions: Any = None,
+    layers: LayerSpec = None,
+    positions: PositionSpec = None,
     site: str = "resid",
     metric: str = "prob",
     target_token: str | int,
@@ -90,7 +94,7 @@ def build_request(
     (target,) = normalise_prompts(target)
     source_ids, target_ids = _same_length_ids(tokenizer, source, target, max_model_len)
     for name, value in (("layers", layers), ("positions", positions)):
-        if value is not None and not isinstance(value, (str, int)) and len(value) == 0:
+        if value is not None and not as_list(value):
             raise InvalidRequest(f"an empty sweep: no {name} given")
     if site not in (*SITES, "head"):
         raise InvalidRequest(f"unknown site {site!r}: a site is one of {(*SITES, 'head')}")
@@ -123,7 +127,7 @@ def build_request(
 
 
 def _same_length_ids(
-    tokenizer: Any, source: str, target: str, max_model_len: int | None
+    tokenizer: Tokenizer, source: str, target: str, max_model_len: int | None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Both prompts' token ids: a sweep copies position p into position p, so as many."""
     source_ids = token_ids(tokenizer, source, max_model_len)
@@ -149,7 +153,7 @@ def _check_metric(metric: str, other_token: str | int | None) -> None:
 
 
 def run(
-    model: Any,
+    model: Model,
     readout: Readout,
     request: SweepRequest,
     meta: dict[str, Any],
@@ -211,8 +215,8 @@ def patch_sweep(
     source: str,
     target: str,
     *,
-    layers: Any = None,
-    positions: Any = None,
+    layers: LayerSpec = None,
+    positions: PositionSpec = None,
     site: str = "resid",
     metric: str = "prob",
     target_token: str | int,

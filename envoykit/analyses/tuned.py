@@ -22,18 +22,21 @@ import json
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from safetensors.torch import save, save_file
 
+from envoykit._compat import Model
 from envoykit.analyses.tuned_training import cut_pieces, train_translators
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import at
 from envoykit.results import safetensors_file
 from envoykit.results.identity import IDENTITY, check_same_model
 from envoykit.results.tuned import LensQuality
+
+if TYPE_CHECKING:
+    from envoykit.analyses.base import EngineBase
 
 # Where a saved tuned lens names its model (in the safetensors metadata), and what it is.
 MODEL_KEY = "envoykit.model"
@@ -41,7 +44,6 @@ KIND = "a tuned lens saved by envoykit"
 
 # Head rows hashed to recognise a model (bfloat16-rounded: the same model in float32 and in
 # bfloat16 is the same model).
-_FINGERPRINT_ROWS = 64
 
 
 class TunedLens:
@@ -72,7 +74,7 @@ class TunedLens:
     @classmethod
     def train(
         cls,
-        engine: Any,
+        engine: EngineBase,
         texts: Sequence[str],
         *,
         max_seconds: float | None = None,
@@ -122,7 +124,7 @@ class TunedLens:
         tuned = cls(
             run.weights,
             {
-                **fingerprint(engine),
+                **engine.fingerprint(),
                 "steps": run.steps,
                 "seed": seed,
                 **({"stopped": True} if stopped else {}),
@@ -140,7 +142,7 @@ class TunedLens:
 
     # -- evaluation -------------------------------------------------------------------------
 
-    def evaluate(self, engine: Any, texts: Sequence[str]) -> LensQuality:
+    def evaluate(self, engine: EngineBase, texts: Sequence[str]) -> LensQuality:
         """Mean KL(final || layer) per layer, logit lens and tuned lens, on ``texts``, from
         the engine's own lens statistics."""
         logit: float | np.ndarray = 0.0  # [L] sums once the first piece is added
@@ -181,7 +183,7 @@ class TunedLens:
         return cls._from_tensors(tensors, model)
 
     @classmethod
-    def _from_tensors(cls, tensors: dict[str, torch.Tensor], model: Any) -> TunedLens:
+    def _from_tensors(cls, tensors: dict[str, torch.Tensor], model: Model) -> TunedLens:
         if not isinstance(model, dict) or not all(k in model for k in IDENTITY):
             raise InvalidRequest("not a tuned lens saved by envoykit: its model is not named")
         n, d = model["n_layers"], model["d_model"]
@@ -221,7 +223,7 @@ class TunedLens:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, engine: Any = None) -> TunedLens:
+    def load(cls, path: str | Path, engine: EngineBase | None = None) -> TunedLens:
         """Read what `save` wrote, checked as `from_bytes` checks; with ``engine``, refuse
         translators of another model."""
         path = Path(path)
@@ -234,45 +236,15 @@ class TunedLens:
             lens.check(engine)
         return lens
 
-    def check(self, engine: Any) -> None:
+    def check(self, engine: EngineBase) -> None:
         """`InvalidRequest` naming both models unless these translators are ``engine``'s."""
-        self.check_fingerprint(fingerprint(engine))
+        self.check_fingerprint(engine.fingerprint())
 
     def check_fingerprint(self, model: dict) -> None:
         """`check` against a model's `fingerprint` (a server checks with its own)."""
         check_same_model(
             self.model, model, "these translators were trained", "train them on this model"
         )
-
-
-def fingerprint(engine: Any) -> dict:
-    """What identifies a model here: its name and shape, and a hash of `_FINGERPRINT_ROWS`
-    rows of its unembedding rounded to bfloat16."""
-    import nnsight
-
-    model, readout = engine.model, engine.readout
-    ids = fingerprint_ids(engine.info.vocab)
-    with engine.exclusive(), model.trace("The", temperature=0.0, max_tokens=1):
-        rows = nnsight.save(at(model, readout.unembedding).rows(ids).float().cpu())
-    return fingerprint_of(engine.info, rows)
-
-
-def fingerprint_ids(vocab: int) -> torch.Tensor:
-    """The token ids whose unembedding rows `fingerprint` hashes."""
-    return torch.linspace(0, vocab - 1, _FINGERPRINT_ROWS).long()
-
-
-def fingerprint_of(info: Any, rows: torch.Tensor) -> dict:
-    """`fingerprint` of a model of `ModelInfo` ``info`` whose `fingerprint_ids` rows of the
-    unembedding are ``rows``."""
-    digest = hashlib.sha256(rows.bfloat16().view(torch.int16).numpy().tobytes()).hexdigest()
-    return {
-        "name": info.name,
-        "n_layers": info.n_layers,
-        "d_model": info.d_model,
-        "vocab": info.vocab,
-        "head_hash": digest,
-    }
 
 
 def offline_texts() -> tuple[list[str], list[str]]:
@@ -293,37 +265,3 @@ def default_path(model: dict) -> Path:
     from envoykit.runtime.models import cache_dir
 
     return cache_dir() / "tuned" / f"{model['name']}-{str(model['head_hash'])[:12]}.safetensors"
-
-
-class InstalledTranslators:
-    """Which tuned lenses an engine's ranks hold, least recently used first.
-
-    Each tuned lens is ``n_layers * d_model**2`` floats on every rank (40 MB on demo, about
-    2 GB on a 7B model), so the ranks keep at most `LIMIT`: installing another drops the
-    least recently used, and using an evicted one installs it again.
-    """
-
-    LIMIT = 2
-
-    def __init__(self) -> None:
-        self._keys: list[str] = []
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._keys
-
-    def keep_for(self, key: str) -> tuple[str, ...] | None:
-        """None if ``key`` is installed (marked as just used); else the keys the ranks keep
-        beside it, to send with its install."""
-        if key in self._keys:
-            self._keys.remove(key)
-            self._keys.append(key)
-            return None
-        return tuple(self._keys[-(self.LIMIT - 1) :]) if self.LIMIT > 1 else ()
-
-    def installed(self, key: str, kept: tuple[str, ...]) -> None:
-        """Record that the ranks now hold ``kept`` and ``key``, and nothing else."""
-        self._keys = [*kept, key]
-
-    def clear(self) -> None:
-        """The ranks hold none (a fresh start)."""
-        self._keys = []

@@ -15,15 +15,19 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from envoykit import _compat as compat
+from envoykit._compat import Tokenizer
 from envoykit.errors import InvalidRequest
 from envoykit.model.readout import at, norm_parameters, walk
 from envoykit.results.tuned import LensQuality
+
+if TYPE_CHECKING:
+    from envoykit.analyses.base import EngineBase
 
 _HEAD_CHUNK = 8192
 _SEQUENCE_TOKENS = 128
@@ -67,7 +71,7 @@ class Trained:
 
 
 def train_translators(
-    engine: Any,
+    engine: EngineBase,
     texts: Sequence[str],
     *,
     max_seconds: float | None,
@@ -141,7 +145,7 @@ class _Translators:
 
 
 def _optimise(
-    engine: Any,
+    engine: EngineBase,
     batches: list[list[str]],
     translators: _Translators,
     total: int | None,
@@ -211,7 +215,7 @@ def _step(
     return total
 
 
-def cut_pieces(tokenizer: Any, texts: Sequence[str]) -> list[tuple[str, int]]:
+def cut_pieces(tokenizer: Tokenizer, texts: Sequence[str]) -> list[tuple[str, int]]:
     """Texts cut into sequences of 8 to `_SEQUENCE_TOKENS` tokens: ``(text, tokens)``."""
     usable = [] if isinstance(texts, str) else [t for t in texts if isinstance(t, str)]
     if not any(t.strip() for t in usable):
@@ -227,7 +231,7 @@ def cut_pieces(tokenizer: Any, texts: Sequence[str]) -> list[tuple[str, int]]:
 
 
 def _batches(
-    tokenizer: Any, texts: Sequence[str], batch_tokens: int, seed: int, held_out: float
+    tokenizer: Tokenizer, texts: Sequence[str], batch_tokens: int, seed: int, held_out: float
 ) -> tuple[list[list[str]], list[str]]:
     """`cut_pieces` shuffled with ``seed``: a ``held_out`` share of them (at least one, at most
     two batches' tokens) apart, the rest grouped into training batches of about
@@ -292,7 +296,7 @@ def held_out_quality(
     return LensQuality(np.arange(n), np.array(logit), np.array(tuned), int(streams.shape[1]))
 
 
-def layer_streams(engine: Any, texts: Sequence[str]) -> torch.Tensor:
+def layer_streams(engine: EngineBase, texts: Sequence[str]) -> torch.Tensor:
     """``[n_layers + 1, tokens, d_model]`` float32: the residual stream after the embedding and
     every layer, whole, for ``texts`` (one invoke each), joined along tokens."""
     import nnsight
@@ -311,7 +315,7 @@ def layer_streams(engine: Any, texts: Sequence[str]) -> torch.Tensor:
     return torch.cat(list(pieces), dim=1)
 
 
-def gather_head(engine: Any) -> Head:
+def gather_head(engine: EngineBase) -> Head:
     """The unembedding and its bias (whole, in chunks of rows), the final norm's affine map
     (`envoykit.model.readout.norm_parameters`), the logit soft-cap and scale: what the final
     distribution is computed from."""

@@ -61,7 +61,7 @@ class TranslatorStore:
         self, key: str, blob: bytes, keep: tuple[str, ...] = ()
     ) -> int:
         """Install ``key`` and drop every other translator but ``keep``: the owning engine
-        decides what its ranks hold (`envoykit.analyses.tuned.InstalledTranslators`)."""
+        decides what its ranks hold (`envoykit.analyses.installed.InstalledTranslators`)."""
         for other in [k for k in INSTALLED if k != key and k not in keep]:
             del INSTALLED[other]
         if key not in INSTALLED:

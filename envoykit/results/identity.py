@@ -1,7 +1,7 @@
 """What identifies a model, so that something made on one model (translators, a steering
 vector, an activation store) is never silently used with another.
 
-A model's fingerprint (`envoykit.analyses.tuned.fingerprint`) is its name, its shape and a
+A model's fingerprint (`envoykit.analyses.base.EngineBase.fingerprint`) is its name, its shape and a
 hash of rows of its unembedding; two fingerprints name the same model when all but the name
 agree (a checkpoint may be served under another name).
 """

@@ -26,7 +26,7 @@ class SteeringVector(Result):
     the stream at (``layer``, ``site``), at token ``position`` of each prompt (None: the
     mean over its positions).
 
-    ``model`` is the model's fingerprint (`envoykit.analyses.tuned.fingerprint`); a `Steer`
+    ``model`` is the model's fingerprint (`EngineBase.fingerprint`); a `Steer`
     built on this vector is refused by an engine of another model. ``vector`` is float32
     ``[d_model]``.
     """

@@ -84,6 +84,26 @@ class ModelInfo:
         object.__setattr__(self, "validated", tuple(self.validated))
         object.__setattr__(self, "failed", tuple(tuple(item) for item in self.failed))
 
+    def require(self, what: str) -> None:
+        """Refuse ``what`` (an analysis) if a check of the self-check at load that it relies
+        on failed, naming the check and why it failed."""
+        failed = dict(self.failed)
+        for check in _CHECKS_NEEDED.get(what, ()):
+            reason = failed.get(check)
+            if reason is not None:
+                raise InvalidRequest(
+                    f"{what} is disabled on this engine: the self-check at load failed its "
+                    f"{check!r} check ({reason})"
+                )
+
+
+# The self-check's checks each analysis relies on (`envoykit.analyses.selfcheck`).
+_CHECKS_NEEDED = {
+    "lens": ("lens",),
+    "attribution": ("attribution", "sites"),
+    "sites": ("sites",),
+}
+
 
 # Config keys by meaning, in the spellings of the configs transformers ships (GPT-2 and
 # GPT-J say n_head and n_embd, Falcon num_kv_heads, MoE models give expert widths).

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 
 from envoykit import _compat as compat
+from envoykit._compat import Model
+from envoykit.analyses import sae as sae_module
 from envoykit.analyses.surface import EngineSurface
 from envoykit.engine import ModelInfo, _OnRank
 from envoykit.errors import EngineDead, InvalidRequest, ServerUnavailable
@@ -175,7 +177,7 @@ class Connection(EngineSurface):
         """The bytes of ``sae`` each of the server's ranks holds (its slice of the
         features), installing it."""
         for _ in range(2):  # another client's SAEs may drop it between the install and the ask
-            self._require_sae(sae)
+            sae_module.require(self, sae)
             held = self._get(f"/v1/envoykit/saes/{sae.key}/bytes")["bytes"]
             if held is not None:
                 return held
@@ -373,7 +375,7 @@ def _skip_on_builders() -> None:
     torch.accelerator.synchronize = skipped(torch.accelerator.synchronize)
 
 
-def _completion(model: Any, prompt: str, max_tokens: int) -> Any:
+def _completion(model: Model, prompt: str, max_tokens: int) -> Any:
     """vLLM's greedy completion of ``prompt``, from a trace with nothing but a read of its
     finished request."""
     with model.trace(prompt, temperature=0.0, max_tokens=max_tokens) as tracer:

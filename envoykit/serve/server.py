@@ -125,12 +125,12 @@ class ServedEngine(EngineLifetime):
         return sae.key
 
     async def fingerprint(self) -> dict:
-        """`envoykit.analyses.tuned.fingerprint` of the served model, from one trace on the async
+        """`EngineBase.fingerprint` of the served model, from one trace on the async
         engine (built before its first await, as the server builds every trace); kept, as
         the model is the same after a restart."""
         import nnsight
 
-        from envoykit.analyses.tuned import fingerprint_ids, fingerprint_of
+        from envoykit.analyses.base import fingerprint_ids, fingerprint_of
         from envoykit.model.readout import at
 
         if self._fingerprint is None:

@@ -137,7 +137,7 @@ def test_reductions_in_float32_unless_asked():
 
 
 def test_installed_translators_keep_the_most_recent():
-    from envoykit.analyses.tuned import InstalledTranslators
+    from envoykit.analyses.installed import InstalledTranslators
 
     held = InstalledTranslators()
     assert held.keep_for("a") == ()

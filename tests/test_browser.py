@@ -268,6 +268,10 @@ def test_standalone_html_renders_without_kernel(browser, tmp_path, shape):
         assert page.evaluate("window.ekModel.get('pinned')") == [
             int(res.top_ids[layer, position, 0])
         ]
+        # The tooltip stays open over its own tokens; a press anywhere else closes it.
+        page.locator(".ek-tooltip").wait_for(state="visible", timeout=5000)
+        page.mouse.click(2, 2)
+        page.locator(".ek-tooltip").wait_for(state="hidden", timeout=5000)
         page.select_option("#ek-metric", "kl")
         assert page.evaluate("window.ekModel.get('metric')") == "kl"
         ARTIFACTS.mkdir(exist_ok=True)
@@ -1293,10 +1297,17 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
             arg=before,
             timeout=30000,
         )
+        # The pin is for display: the attribution still measures the first target, and
+        # measures the pinned token once it is picked in the attribution panel.
+        assert state()["attribution"]["target_ids"] == [res["target_ids"][0]]
+        token = next(r["token"] for r in tip["rows"] if r["id"] == new_id)
+        page.locator(".ek-attribution .ek-target-choice select").select_option(
+            label=f"{token!r} (pinned)"
+        )
         wait_for(
             lambda: state()["attribution"]["target_ids"] == [new_id],
             60,
-            "the attribution of the pinned token",
+            "the attribution of the pinned token, picked in its panel",
         )
         timings["hover + select + pin"] = time.monotonic() - t
 

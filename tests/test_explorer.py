@@ -518,21 +518,34 @@ def test_clicking_a_cell_attributes_its_position(explorer, tiny2):
     assert explorer.attribution is att
     assert "row embed" in explorer.attribution_panel.header.value
 
-    # Pinning a token attributes it (the token pinned last), at the selection kept.
+    # A pin is for display: the attribution still measures the first target, asking the
+    # engine nothing new, and offers the pinned token beside it.
     new_id = next(int(i) for i in res.top_ids[-1, 2] if i != paris)
+    choice = explorer.attribution_panel.target
     explorer.heatmap.set_state({"pinned": [new_id]})
+    assert explorer.wait(60)
+    assert new_id in explorer.result.target_ids.tolist()  # the lens traces the pin
+    assert explorer.attribution is att and choice.chosen() == paris
+    assert [value for _, value in choice.options] == [paris, new_id]
+    assert choice.options[1][0].endswith("(pinned)")
+    # Picking it in the panel attributes it, at the selection kept.
+    choice.value = new_id
     assert explorer.wait(60)
     assert explorer.attribution.target_ids.tolist() == [new_id]
     assert explorer.attribution.positions.tolist() == [2]
-
-    # No target: the panel says what to do and holds no attribution.
+    # A new Run keeps the pick while the token is offered; unpinned, the first target is back.
+    explorer.run()
+    assert explorer.wait(60) and choice.chosen() == new_id
     explorer.heatmap.pinned = []
     assert explorer.wait(60)
+    assert choice.chosen() == paris and explorer.attribution.target_ids.tolist() == [paris]
+
+    # No target: the panel says what to do and holds no attribution.
     explorer.targets.value = ""
     explorer.run()
     explorer.heatmap.set_state({"selected": [0, 1]})
     assert explorer.attribution is None
-    assert "type or pin a target" in explorer.attribution_panel.header.value
+    assert "type a target, or pin a token" in explorer.attribution_panel.header.value
 
 
 @pytest.mark.engine
@@ -676,22 +689,28 @@ def test_a_target_of_several_tokens_is_a_warning_naming_what_is_measured(explore
 
 
 @pytest.mark.engine
-def test_pins_are_chips_that_unpin_and_say_what_is_measured(explorer, tiny2):
+def test_pins_are_chips_that_unpin_and_change_no_measured_token(explorer, tiny2):
     res = explorer.run()
+    first = int(res.target_ids[0])
     token = int(res.top_ids[-1, -1, 1])
+    panels = (explorer.attribution_panel.target, explorer.sweep_panel.target)
+    assert [panel.chosen() for panel in panels] == [first, first]
     explorer.heatmap.pinned = [token]
     assert explorer.wait(60)
     assert token in explorer.result.target_ids.tolist()
     chips = [w for w in explorer.pins.children if isinstance(w, widgets.Button)]
     text = tiny2.tokenizer.decode([token])
     assert [c.description for c in chips] == [f"{text!r} ×"]
-    assert f"measure {text!r} (pinned last)" in html.unescape(explorer.pins.children[-1].value)
+    # Offered in every panel that measures a token, measured by none until picked there.
+    assert [panel.chosen() for panel in panels] == [first, first]
+    for panel in panels:
+        assert (f"{text!r} (pinned)", token) in panel.options
     chips[0].click()  # the chip goes with the click, before the lens without it is back
     assert not any(isinstance(w, widgets.Button) for w in explorer.pins.children)
     assert explorer.wait(60)
     assert explorer.heatmap.pinned == []
     assert token not in explorer.result.target_ids.tolist()  # the lens ran without it
-    assert "(the first target)" in html.unescape(explorer.pins.children[-1].value)
+    assert all(token not in [value for _, value in panel.options] for panel in panels)
 
 
 @pytest.mark.engine
@@ -854,15 +873,23 @@ def test_a_drop_draws_the_patched_lens_and_its_diff(comparing, tiny2):
     comparing.heatmap.set_state({"selected": [3, 6]})
     assert comparing.attribution is None
     assert "patched run" in comparing.attribution_panel.header.value
+    assert "patched run" in comparing.attention_panel.header.value
 
     # A sub-layer row: the patch copies that block's write.
     comparing.heatmap.set_state({"drop": {"source": [1, 3], "target": [0, 4]}})
     assert comparing.wait(60)
     assert comparing.patch == ek.Patch(OTHER, 2, source_position=3, target_position=4, site="attn")
 
-    # Run goes back to the unpatched lens and the diff of the two prompts.
+    # Run goes back to the unpatched lens and the diff of the two prompts; every panel
+    # under the selected cell follows it, no notice of the patched run left.
     comparing.run()
+    assert comparing.wait(60)
     assert comparing.patch is None and "patches" not in comparing.result.meta
+    position = int(comparing.result.positions[comparing.heatmap.selected[1]])
+    assert comparing.attribution.positions.tolist() == [position]
+    assert comparing.attention_panel.query == position
+    for panel in (comparing.attribution_panel, comparing.attention_panel):
+        assert "patched" not in panel.header.value
     assert comparing.heatmap.data["marks"] == [] and comparing.patch_note.value == ""
     assert comparing.compare_panel.diff.data["top_labels"] == ["first", "second"]
 
@@ -895,6 +922,16 @@ def test_sweep_button_draws_the_map_with_progress(comparing, tiny2):
     assert comparing.sweep_panel.view.outputs[0]["data"]["image/png"]
     assert not comparing.sweep_panel.button.disabled
     assert "took" in comparing.sweep_panel.header.value
+
+    # Picking a pinned token in the sweep panel sweeps again, measuring it.
+    token = next(int(i) for i in res.top_ids[-1, -1] if i != paris)
+    comparing.heatmap.pinned = [token]
+    assert comparing.wait(60) and comparing.sweep is sweep  # the pin swept nothing
+    comparing.sweep_panel.target.value = token
+    assert comparing.sweep_panel.wait(120)
+    again = tiny2.patch_sweep(OTHER, PROMPT, layers=[0, 2, 4], target_token=token, progress=False)
+    assert comparing.sweep.target_token == again.target_token != sweep.target_token
+    np.testing.assert_allclose(comparing.sweep.values, again.values, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.engine

@@ -233,7 +233,7 @@ class TestPanel:
 
         panel = SteeringPanel(
             tiny2, prompt=PROMPT, positive=POSITIVE, negative=NEGATIVE, layer=2, scale=2.0,
-            max_tokens=6, targets=[TARGET],
+            max_tokens=6, targets=[TARGET, "o"],
         )  # fmt: skip
         steered = panel.generate()
         vector = tiny2.steering_vector(POSITIVE, NEGATIVE, 2, progress=False)
@@ -243,7 +243,12 @@ class TestPanel:
         assert panel.plain.token_ids == tuple(tiny2.generate_ids(PROMPT, 6))
         assert str(expected) in html_text(panel.steered_view.value)
         cmp = panel.comparison
-        assert panel.diff.metric == TARGET and cmp.target_labels == (TARGET,)
+        assert panel.diff.metric == TARGET and cmp.target_labels == (TARGET, "o")
+        # The diff measures the target picked in its menu: a pick redraws, asking nothing.
+        assert panel.measure.options == (("'e'", TARGET), ("'o'", "o"))
+        panel.measure.value = "o"
+        assert panel.comparison is cmp and panel.diff.metric == "o"
+        assert "Δ p('o')" in html_text(panel.diff_header.value)
         # Before the steer the two runs are one (JS to float64 rounding of a sum).
         assert cmp.js[cmp.layers < 2].max() < 1e-12 < cmp.js[cmp.layers >= 2].max()
         assert "steered at layer 2 x2" in cmp.b

@@ -57,6 +57,7 @@
  * @property {{l: number, p: number}|null} landing  where a cell dragged over this heatmap
  *                              would land (l -1: its row is not shown here)
  * @property {(event: KeyboardEvent) => void} onKey  Escape closes the tooltip
+ * @property {(event: MouseEvent) => void} onOutside  a press outside the heatmap closes it
  */
 
 /** @returns {View} the elements of one heatmap, appended to `el`. */
@@ -74,10 +75,13 @@ function createView(model, el) {
   el.append(root);
   const view = { model, root, legend, scroller, spacer, canvas, tip };
   Object.assign(view, { sticky: false, drag: null, dragged: false, landing: null });
-  // The canvas cannot take focus, so Escape is heard on the document, only while a tooltip
-  // is open.
+  // The canvas cannot take focus, so Escape, and a press outside the heatmap, are heard on
+  // the document, only while a tooltip is open.
   view.onKey = (event) => {
     if (event.key === "Escape") hideTip(view);
+  };
+  view.onOutside = (event) => {
+    if (!root.contains(event.target)) hideTip(view);
   };
   return view;
 }

@@ -36,6 +36,7 @@ function hideTip(view) {
   view.sticky = false;
   view.tip.hidden = true;
   document.removeEventListener("keydown", view.onKey);
+  document.removeEventListener("mousedown", view.onOutside);
 }
 
 function fillTip(view, l, p) {
@@ -50,6 +51,7 @@ function showTip(view, cell, clientX, clientY) {
   fillTip(view, ...cell);
   tip.hidden = false;
   document.addEventListener("keydown", view.onKey);
+  document.addEventListener("mousedown", view.onOutside);
   const box = root.getBoundingClientRect();
   let left = clientX - box.left + 14;
   if (left + tip.offsetWidth > box.width) left = Math.max(0, clientX - box.left - tip.offsetWidth - 14);

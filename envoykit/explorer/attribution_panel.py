@@ -3,7 +3,8 @@
 A lens cell says what the model would predict at a position if it stopped at that row; the
 attribution says who wrote the prediction it does make there: how much the embedding and
 each layer's attention and MLP add to one target's final logit (`Engine.attribute`, drawn
-by `plot.attribution`). The panel only draws; the controller picks the target and position
+by `plot.attribution`). The panel only draws, and offers the token it measures (``target``, a
+`TargetChoice` beside its title); the controller takes the position from the selected cell
 and calls the engine. Its header is an ipywidgets ``HTML``, so its text is escaped.
 """
 
@@ -15,6 +16,7 @@ import ipywidgets as widgets
 
 from envoykit import plot
 from envoykit.explorer.outputs import figure_output, message_html
+from envoykit.explorer.target_choice import TargetChoice
 from envoykit.results.attribution import AttributionResult
 
 TITLE = "Direct logit attribution"
@@ -28,11 +30,13 @@ class AttributionPanel(widgets.VBox):
     """
 
     def __init__(self) -> None:
+        self.target = TargetChoice[int]("the token whose logit is attributed")
         self.header = widgets.HTML()
         self.view = widgets.Output()
         self.result: AttributionResult | None = None
         self.figure: Any = None
-        super().__init__([self.header, self.view])
+        title = widgets.HTML(f"<b>{TITLE}</b>")
+        super().__init__([widgets.HBox([title, self.target]), self.header, self.view])
         self.add_class("ek-attribution")
 
     def say(self, text: str, *, error: bool = False, details: str = "") -> None:
@@ -68,4 +72,4 @@ class AttributionPanel(widgets.VBox):
         )
 
     def _head(self, text: str, *, error: bool = False, details: str = "") -> None:
-        self.header.value = f"<b>{TITLE}</b>{message_html(text, error=error, details=details)}"
+        self.header.value = message_html(text, error=error, details=details)

@@ -53,9 +53,9 @@ class CellPanels(ExplorerState):
             self.cells.submit(lambda: [job() for job in todo])
 
     def _draw_attribution(self) -> Callable[[], None] | None:
-        """The direct logit attribution at the selected cell's position, for the token pinned
-        last or else the first target; the engine is asked only when either changed, by the
-        job returned (None: all is said)."""
+        """The direct logit attribution at the selected cell's position, for the token picked
+        in the panel (the first target until another is picked); the engine is asked only
+        when either changed, by the job returned (None: all is said)."""
         panel = self.attribution_panel
         if self.engine is None:
             panel.say("needs an engine: this explorer shows a stored LensResult")
@@ -70,9 +70,9 @@ class CellPanels(ExplorerState):
                 "prompts only: Run to go back to the unpatched lens"
             )
             return None
-        target = self._focus_target(shown)
+        target = panel.target.chosen()
         if target is None:
-            panel.say("type or pin a target to see its attribution at the selected cell")
+            panel.say("type a target, or pin a token, to see its attribution at the selected cell")
             return None
         row, column = self.heatmap.selected
         prompt, position = shown.prompt, int(shown.positions[column])
@@ -102,7 +102,8 @@ class CellPanels(ExplorerState):
     def _draw_attention(self) -> Callable[[], None] | None:
         """What the selected cell's position attends to at every layer and head, opened at
         the cell's layer; the heads' contributions to the attribution's target as bars. The
-        engine is asked by the job returned, after the attribution's (None: all is said)."""
+        engine is asked by the job returned, after the attribution's, unless the panel holds
+        this prompt's pattern at this position already (None: all is said)."""
         panel = self.attention_panel
         shown = self._shown()
         if self.engine is None:
@@ -124,12 +125,15 @@ class CellPanels(ExplorerState):
             panel.say("a generated position: attention is drawn for the prompt's positions")
             return None
         layer = max(1, int(shown.layers[row]))
-        panel.busy(f"attention at position {position}")
+        held = panel.result
+        if held is None or held.prompt != prompt or panel.query != position:
+            held = None  # a pattern of another prompt or position: the engine is asked
+            panel.busy(f"attention at position {position}")
         engine = self.engine
 
         def attend() -> None:
             try:
-                res = engine.attention(prompt, queries=[position])
+                res = held or engine.attention(prompt, queries=[position])
             except Exception as err:  # on the cells' thread: said here, or nowhere
                 line, details = failure(err)
                 panel.say(line, error=True, details=details)

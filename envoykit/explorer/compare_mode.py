@@ -74,8 +74,8 @@ class CompareMode(ExplorerState):
     def run_sweep(self) -> SweepResult | None:
         """Patch the second prompt's residual stream into the first at every picked layer
         and every position (same as pressing Sweep), measuring the first prompt's next
-        token: the token pinned last, else the first target. Returns the `SweepResult`, or
-        None when refused (the reason is shown)."""
+        token picked in the sweep panel (the first target until another is picked).
+        Returns the `SweepResult`, or None when refused (the reason is shown)."""
         panel = self.sweep_panel
         if self.engine is None or self.result is None or self._other is None:
             panel.say(
@@ -83,9 +83,11 @@ class CompareMode(ExplorerState):
                 error=True,
             )
             return None
-        target = self._focus_target(self.result)
+        target = panel.target.chosen()
         if target is None:
-            panel.say("type or pin a target: the sweep measures its probability", error=True)
+            panel.say(
+                "type a target, or pin a token: the sweep measures its probability", error=True
+            )
             return None
         layers = sorted(set(self.result.layers.tolist()))
         assert self._request is not None  # set with the second prompt by the Run that lensed it

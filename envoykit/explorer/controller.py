@@ -156,6 +156,9 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         self.run_button.on_click(lambda _: self.work.submit(self.run))
         self.cancel_button.on_click(lambda _: self.cancel())
         self.sweep_panel.button.on_click(lambda _: self.sweep_panel.start(self.run_sweep))
+        # A token picked in a panel re-runs that panel alone.
+        self.attribution_panel.target.on_choice(lambda: self._draw_cell(attention=True))
+        self.sweep_panel.target.on_choice(self._sweep_again)
         self.compare_panel.patch_button.on_click(lambda _: self.work.submit(self._patch_selected))
 
     def _add_steering_panel(self) -> SteeringPanel:
@@ -266,7 +269,9 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         self.metric.value = value if value in self._metric_keys() else "prob"
         self._show_pins()
         self._draw_trajectory()
-        self._draw_cell()
+        # Every panel under the cell follows the run now shown (a patched run's notice goes
+        # with it); the attention is asked of the engine only for another prompt or position.
+        self._draw_cell(attention=True)
 
     def _metric_keys(self) -> list[str]:
         return [key for _, key in self.metric.options]
@@ -328,6 +333,11 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
             self._show()
         else:
             self.status.value = "rows changed: press Run to lens them"
+
+    def _sweep_again(self) -> None:
+        """The sweep shown, measuring the token now picked (nothing before a first Sweep)."""
+        if self.sweep is not None:
+            self.sweep_panel.start(self.run_sweep)
 
     def _on_selected(self, _: Any) -> None:
         self._draw_trajectory()

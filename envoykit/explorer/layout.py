@@ -140,7 +140,7 @@ class ExplorerLayout(widgets.VBox):
         self.sweep_panel = SweepPanel()
         self.sweep_panel.say(
             "patches the second prompt's residual stream into the first at every picked "
-            "layer and position, for the token pinned last or the first target"
+            "layer and position, for the token picked beside the Sweep button"
         )
         self.compare_box = widgets.VBox([self.compare_panel, self.sweep_panel])
         self.trajectory = widgets.Output()

@@ -1,5 +1,9 @@
-"""`Pins`, a part of `LensExplorer`: the tokens pinned in a heatmap tooltip, shown as chips,
-followed by the lens, and the token attribution and the sweep measure.
+"""`Pins`, a part of `LensExplorer`: the tokens pinned in a heatmap tooltip, shown as chips
+and followed by the lens, and the tokens each panel may measure (`TargetChoice`).
+
+A pin is for display: it adds the token's trace to the trajectory. It changes no panel's
+measured token; the attribution and the sweep each offer the pins beside the targets, and
+measure what is picked there (the first target until another is picked).
 
 With an engine, pinning a token that is not yet a target re-runs the lens with it added (as
 a token id, after the typed targets), so its trajectory is exact; unpinning one the lens
@@ -16,14 +20,12 @@ from typing import Any
 import ipywidgets as widgets
 import numpy as np
 
-from envoykit.explorer.outputs import message_html
 from envoykit.explorer.state import ExplorerState
-from envoykit.results.lens import LensResult
 
 
 class Pins(ExplorerState):
     """Mixed into `LensExplorer`: what a change of ``heatmap.pinned`` does, the chips that
-    unpin, and `_focus_target`, the token the attribution and the sweep follow."""
+    unpin, and the targets and pins offered to the panels that measure one."""
 
     def _on_pinned(self, _: Any = None) -> None:
         """Pins the lens shown lacks (or an unpinned one it measured) ask for the lens
@@ -76,9 +78,8 @@ class Pins(ExplorerState):
         return [*typed, *(i for i in self.heatmap.pinned if i not in typed_ids)]
 
     def _show_pins(self) -> None:
-        """A chip per pinned token (a click unpins it), then what attribution and the sweep
-        measure: the token pinned last, else the first target."""
-        shown = self._shown()
+        """A chip per pinned token (a click unpins it), and the targets and pins offered to
+        the panels that measure one token."""
         chips: list[widgets.Widget] = []
         for token_id in self.heatmap.pinned:
             chip = widgets.Button(
@@ -89,12 +90,30 @@ class Pins(ExplorerState):
             chip.add_class("ek-pin")
             chip.on_click(lambda _, token_id=token_id: self._unpin(token_id))
             chips.append(chip)
-        focus = None if shown is None else self._focus_target(shown)
-        if focus is not None:
-            why = "pinned last" if self.heatmap.pinned else "the first target"
-            text = f"attribution and the sweep measure {self._token_text(focus)!r} ({why})"
-            chips.append(widgets.HTML(message_html(text)))
         self.pins.children = tuple(chips)
+        choices = self._measurable()
+        self.attribution_panel.target.offer(choices)
+        self.sweep_panel.target.offer(choices)
+
+    def _measurable(self) -> list[tuple[str, int]]:
+        """(label, token id) of each target of the lens shown, then of each pinned token the
+        lens has not measured; a pin is labelled so (the lens measures one as its id)."""
+        shown = self._shown()
+        pinned = set(self.heatmap.pinned)
+        choices: list[tuple[str, int]] = []
+        if shown is not None:
+            for label, token, token_id in zip(
+                shown.target_labels, shown.target_tokens, shown.target_ids.tolist()
+            ):
+                pin = label == str(token_id) and token_id in pinned
+                choices.append((repr(token) + (" (pinned)" if pin else ""), int(token_id)))
+        offered = {token_id for _, token_id in choices}
+        choices += [
+            (f"{self._token_text(token_id)!r} (pinned)", int(token_id))
+            for token_id in self.heatmap.pinned
+            if token_id not in offered
+        ]
+        return choices
 
     def _unpin(self, token_id: int) -> None:
         self.heatmap.pinned = [i for i in self.heatmap.pinned if i != token_id]
@@ -111,9 +130,3 @@ class Pins(ExplorerState):
             if len(found):
                 return str(np.asarray(tokens, dtype=object).ravel()[found[0]])
         return str(token_id)
-
-    def _focus_target(self, shown: LensResult) -> int | None:
-        """The token the attribution and the sweep follow: pinned last, else the first target."""
-        if self.heatmap.pinned:
-            return int(self.heatmap.pinned[-1])
-        return int(shown.target_ids[0]) if len(shown.target_ids) else None

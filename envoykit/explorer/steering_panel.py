@@ -26,6 +26,7 @@ from envoykit.analyses.steering import Steer
 from envoykit.explorer.layout import typed_targets
 from envoykit.explorer.outputs import ENGINE_ERRORS, message_html
 from envoykit.explorer.payload import compare_data
+from envoykit.explorer.target_choice import TargetChoice
 from envoykit.explorer.views import Heatmap
 from envoykit.explorer.work import Background
 from envoykit.results.compare import CompareResult
@@ -78,6 +79,8 @@ class SteeringPanel(widgets.VBox):
         self.plain_view = widgets.HTML(layout={"width": "50%"})
         self.steered_view = widgets.HTML(layout={"width": "50%"})
         self.diff_header = widgets.HTML()
+        self.measure = TargetChoice[str]("the target whose change of probability the diff shows")
+        self.measure.on_choice(self._show_measure)
         self.diff = Heatmap(metric="js")
         self.diff.add_class("ek-steer-diff")
         self.vector: SteeringVector | None = None
@@ -92,7 +95,7 @@ class SteeringPanel(widgets.VBox):
                 widgets.HBox([self.layer, self.scale, self.norm_match]),
                 widgets.HBox([self.max_tokens, self.targets, self.button]),
                 widgets.HBox([self.plain_view, self.steered_view], layout={"width": "100%"}),
-                self.diff_header,
+                widgets.HBox([self.diff_header, self.measure]),
                 self.diff,
             ]
         )
@@ -154,18 +157,24 @@ class SteeringPanel(widgets.VBox):
             f"steered: layer {vector.layer}, strength {steer.scale:+g}", prompt, steered
         )
         self.diff.data = compare_data(comparison, ("plain", "steered"))
-        self.diff.metric = comparison.target_labels[0] if comparison.target_labels else "js"
-        what = (
-            f"Δ p({comparison.target_labels[0]!r}), steered minus plain"
-            if comparison.target_labels
-            else "JS divergence of the plain and steered next-token distributions"
-        )
-        self.diff_header.value = f"<b>diff</b>{message_html(what + ', per layer and position')}"
+        self.measure.offer([(repr(label), label) for label in comparison.target_labels])
+        self._show_measure()
         self._head(
             f"vector: {vector.label}, norm {vector.norm:.4g}; rows before layer "
             f"{vector.layer} are unchanged by construction"
         )
         return steered
+
+    def _show_measure(self) -> None:
+        """The diff of the target picked in ``measure``, or the JS divergence without one."""
+        label = self.measure.chosen()
+        self.diff.metric = "js" if label is None else label
+        what = (
+            "JS divergence of the plain and steered next-token distributions"
+            if label is None
+            else f"Δ p({label!r}), steered minus plain"
+        )
+        self.diff_header.value = f"<b>diff</b>{message_html(what + ', per layer and position')}"
 
     def _vector(self) -> SteeringVector:
         """The vector of the lists and layer shown, built once for each."""
@@ -186,6 +195,7 @@ class SteeringPanel(widgets.VBox):
             self.plain_view.value = self.steered_view.value = ""
             self.diff.data = {}
             self.diff_header.value = ""
+            self.measure.offer([])
         self._head(text, error=error, details=details)
 
     def _head(self, text: str, *, error: bool = False, details: str = "") -> None:

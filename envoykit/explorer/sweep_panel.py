@@ -29,6 +29,7 @@ import numpy as np
 
 from envoykit import plot
 from envoykit.explorer.outputs import ENGINE_ERRORS, figure_output, message_html
+from envoykit.explorer.target_choice import TargetChoice
 from envoykit.explorer.work import Background, Ticker, duration, time_left
 from envoykit.results.sweep import SweepResult
 
@@ -74,13 +75,13 @@ class SweepPanel(widgets.VBox):
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="layers", layout=widgets.Layout(width="320px")
         )
+        self.target = TargetChoice[int]("the token whose probability the sweep measures")
         self.header = widgets.HTML()
         self.view = widgets.Output()
         self.result: SweepResult | None = None
         self.figure: Any = None
-        super().__init__(
-            [widgets.HBox([self.button, self.cancel_button, self.progress]), self.header, self.view]
-        )
+        controls = [self.button, self.cancel_button, self.target, self.progress]
+        super().__init__([widgets.HBox(controls), self.header, self.view])
         self.add_class("ek-sweep")
 
     def start(self, sweep: Callable[[], Any]) -> None:

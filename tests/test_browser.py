@@ -38,6 +38,7 @@ from test_explorer import XSS_IMG, hostile_result
 
 import envoykit as ek
 from envoykit.explorer import LensExplorer
+from envoykit.plot.text import token_text
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
@@ -671,7 +672,9 @@ def test_attention_view_in_jupyterlab(browser, tmp_path):
         )
         keys = page.locator(f"{view} .ek-att-key").all_text_contents()
         queries = page.locator(f"{view} .ek-att-query").all_text_contents()
-        assert keys == list(res.tokens) and queries == list(res.tokens)
+        # As text, whitespace marked the way the figures mark it (plot.text.token_text).
+        marked = [token_text(t) for t in res.tokens]
+        assert keys == marked and queries == marked
         cells = page.locator(f"{view} td.ek-att-w")
         assert cells.count() == 16
         drawn = cells.evaluate_all("tds => tds.map(td => td.title.split(': ').pop())")

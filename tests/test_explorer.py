@@ -1288,11 +1288,12 @@ def test_feature_text_is_escaped_and_whitespace_stays_visible():
     res = hostile_features()
     data = chips_data(res)
     assert data["tokens"] == [XSS_IMG, " ", "\n"]
-    assert data["labels"] == [XSS_IMG, "·", "\\n"]  # text for the page's text nodes
+    marked = XSS_IMG.replace(" ", "␣")  # text for the page's text nodes, whitespace marked
+    assert data["labels"] == [marked, "␣", "↵"]
     assert data["chips"] == [[[4, 3.0], [9, 1.0]], [[9, 2.0]], [[2, 0.5], [4, 0.25]]]
     assert data["top"] == 3.0
-    assert token_label("") == "∅" and token_label("  ") == "··" and token_label("\xa0") == "·"
-    assert token_label(" \t") == " \\t"  # a visible escape: the space shows beside it
+    assert token_label("") == "∅" and token_label("  ") == "␣␣" and token_label("\xa0") == "\\xa0"
+    assert token_label(" \t") == "␣⇥"
     row = token_row(res.tokens, [3.0, 1.5, 0.0], top=3.0, focus=1)
     effects = {"up": [(XSS_IMG, 2.0)], "down": [(XSS_SCRIPT, -1.0)]}
     context = Context(0, 1, 1.5, res.tokens, (0, 1, 2), (3.0, 1.5, 0.0), 1)
@@ -1305,7 +1306,7 @@ def test_feature_text_is_escaped_and_whitespace_stays_visible():
     for markup in shown:
         assert "<img" not in markup and "<script" not in markup and "&lt;" in markup
     spans = tags(row, "ek-feat-tok")
-    assert [span["text"] for span in spans] == [XSS_IMG, "·", "\\n"]
+    assert [span["text"] for span in spans] == [marked, "␣", "↵"]
     assert [float(span["data-act"]) for span in spans] == [3.0, 1.5, 0.0]
     assert "ek-feat-strong" in spans[0]["class"] and "ek-feat-focus" in spans[1]["class"]
     logits = tags(shown[1], "ek-feat-logit")

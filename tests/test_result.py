@@ -399,7 +399,7 @@ class TestPlots:
         ax = figure.axes[0]
         assert len(ax.texts) == 3 * 2
         assert [t.get_text() for t in ax.get_yticklabels()] == ["embed", "1", "2"]
-        assert [t.get_text() for t in ax.get_xticklabels()] == ["a", " b"]
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "␣b"]  # whitespace marked
         np.testing.assert_array_equal(ax.images[0].get_array(), res.kl)
 
     def test_heatmap_of_a_target(self, res):

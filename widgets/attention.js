@@ -83,7 +83,7 @@ function patternNode(d) {
   const head = table.createTHead().insertRow();
   head.append(element("th", "ek-att-axis", "query \\ key"));
   d.tokens.forEach((token, k) => {
-    const th = element("th", "ek-att-key", token);
+    const th = element("th", "ek-att-key", visibleToken(token));
     th.dataset.key = String(k);
     th.title = `key ${k}: ${show(token)}`;
     head.append(th);
@@ -91,7 +91,7 @@ function patternNode(d) {
   const body = table.createTBody();
   p.queries.forEach((q, row) => {
     const tr = body.insertRow();
-    const th = element("th", "ek-att-query", d.tokens[q]);
+    const th = element("th", "ek-att-query", visibleToken(d.tokens[q]));
     th.dataset.query = String(q);
     th.title = `query ${q}: ${show(d.tokens[q])}`;
     tr.append(th);

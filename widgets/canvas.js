@@ -136,7 +136,8 @@ function drawCells(view, ctx, g, colours, { p0, p1, r0, r1 }) {
       ctx.fillRect(x, y, cellW(view) - 1, CELL_H - 1);
       ctx.fillStyle = rgb ? textColour(rgb) : colours.fg;
       const text = d.cell_text ? d.cell_text[l][p] : d.vocab[d.top_ids[l][p][0]];
-      ctx.fillText(fit(ctx, text, cellW(view) - 4), x + cellW(view) / 2, y + CELL_H / 2);
+      const shown = fit(ctx, visibleToken(text), cellW(view) - 4);
+      ctx.fillText(shown, x + cellW(view) / 2, y + CELL_H / 2);
       drawn++;
     }
   }
@@ -191,7 +192,7 @@ function drawAxes(view, ctx, colours, { p0, p1, r0, r1 }, viewW, viewH) {
     ctx.save();
     ctx.translate(cellX(view, p) - sx + cellW(view) / 2, axisY + 6);
     ctx.rotate(-Math.PI / 4);
-    ctx.fillText(fit(ctx, show(d.tokens[p]), BOTTOM + 20), 0, 0);
+    ctx.fillText(fit(ctx, visibleToken(d.tokens[p]), BOTTOM + 20), 0, 0);
     ctx.restore();
   }
   ctx.textAlign = "left";

@@ -3,9 +3,9 @@ feature's activation over the prompt, its logit effects, its max-activating cont
 continuations.
 
 Tokens are arbitrary strings: here every one passes through ``html.escape`` (the chips write
-theirs as text nodes). A token of whitespace alone is drawn as middle dots and a control
-character as its escape (`token_label`): shaded by activation, a bare space would show as a
-coloured gap and a newline would break the row. The exact text stays in each token's
+theirs as text nodes). A token's whitespace is marked and a control character written as
+its escape (`token_label`): shaded by activation, a bare space would show as a coloured gap
+and a newline would break the row. The exact text stays in each token's
 ``title``, quoted.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from envoykit.plot.text import visible
+from envoykit.plot.text import token_text, visible
 from envoykit.results.features import FeatureResult
 
 # The shading of an activation: the accent colour at an opacity up to `_DEEPEST`, which reads
@@ -29,14 +29,9 @@ _STRONG = 0.55
 
 
 def token_label(token: str) -> str:
-    """``token`` as the panel writes it: control characters as escapes (``\\n``), a token
-    of whitespace alone as one ``·`` per character, an empty one as ``∅``."""
-    text = visible(token)
-    if not text:
-        return "∅"
-    if not text.strip():
-        return "".join("·" if char.isspace() else char for char in text)
-    return text
+    """``token`` as the panel writes it (`envoykit.plot.text.token_text`: ``␣`` for a space,
+    ``↵`` for a newline, escapes for control characters), an empty one as ``∅``."""
+    return token_text(token) or "∅"
 
 
 def quoted(token: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from envoykit.plot.text import short
+from envoykit.plot.text import clip, short, visible
 
 if TYPE_CHECKING:
     from envoykit.results.attention import AttentionResult
@@ -36,7 +36,7 @@ def attention(
                 axes[i][j].set_ylabel(f"layer {row_layer}", fontsize=8)
             if i == 0:
                 axes[i][j].set_title(f"head {column_head}", fontsize=8)
-    figure.suptitle(f"attention of {short(res.prompt, 40)!r}", fontsize=10)
+    figure.suptitle(f"attention of {clip(visible(res.prompt), 40)!r}", fontsize=10)
     figure.tight_layout()
     return figure
 

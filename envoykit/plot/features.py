@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envoykit.plot.text import short
+from envoykit.plot.text import clip, short, visible
 
 if TYPE_CHECKING:
     from envoykit.results.feature_stats import FeatureStats
@@ -72,7 +72,7 @@ def feature(
     ax.bar(range(len(values)), values, color="tab:orange")
     ax.set_xticks(range(len(res.tokens)), [short(t) for t in res.tokens], rotation=90, fontsize=8)
     ax.set_ylabel("activation")
-    ax.set_title(f"feature {feature_id} over {short(res.prompt, 40)!r}", fontsize=10)
+    ax.set_title(f"feature {feature_id} over {clip(visible(res.prompt), 40)!r}", fontsize=10)
     ax.figure.tight_layout()
     return ax.figure
 
@@ -125,7 +125,7 @@ def _logit_effects(ax: Any, logits: FeatureLogitsResult | None, f: int) -> None:
     pairs = effects["down"][::-1] + effects["up"][::-1]
     values = [value for _, value in pairs]
     ax.barh(range(len(pairs)), values, color=["tab:blue" if v < 0 else "tab:red" for v in values])
-    ax.set_yticks(range(len(pairs)), [repr(short(token, 12)) for token, _ in pairs], fontsize=8)
+    ax.set_yticks(range(len(pairs)), [short(token, 12) for token, _ in pairs], fontsize=8)
     ax.axvline(0, color="grey", lw=0.8)
     ax.set_xlabel("logit of the decoder direction alone")
     ax.set_title("tokens it raises (red) and lowers (blue)", fontsize=10)
@@ -144,11 +144,10 @@ def _contexts(ax: Any, shown: list, width: int) -> None:
             cell = Rectangle((col, row), 1, 1, facecolor=colours(max(act, 0) / top), lw=0)
             ax.add_patch(cell)
             ink = "white" if max(act, 0) / top > 0.6 else "black"
-            label = short(token, 9) if token.strip() else "␣" * len(token)  # blank: visible
             ax.text(
                 col + 0.5,
                 row + 0.5,
-                label,
+                short(token, 9),
                 ha="center",
                 va="center",
                 fontsize=7.5,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from envoykit.plot.text import short
+from envoykit.plot.text import clip, visible
 
 if TYPE_CHECKING:
     from envoykit.results.steering import SteerSweepResult
@@ -31,7 +31,10 @@ def steering(res: SteerSweepResult, target: str | int = 0, *, axes: Any = None) 
     label = target if isinstance(target, str) else res.target_labels[target]
     top = max(float(grid.max()), 1e-6)
     image = left.imshow(grid, aspect="auto", origin="lower", cmap="Purples", vmin=0.0, vmax=top)
-    ticks = [f"{scale:g}\n{short(text.strip(), 12)}" for scale, text in zip(res.scales, res.texts)]
+    ticks = [
+        f"{scale:g}\n{clip(visible(text.strip()), 12)}"
+        for scale, text in zip(res.scales, res.texts)
+    ]
     left.set_xticks(range(n_scales), ticks, fontsize=8)
     left.set_xlabel("steering scale (and the start of its continuation)")
     step = max(1, n_layers // 15)

@@ -113,7 +113,7 @@ def test_plot_draws_the_pattern_and_the_grid():
     figure = plot.attention(res, 1, 0)
     image = figure.axes[0].get_images()[0]
     np.testing.assert_array_equal(image.get_array(), res.pattern(1, 0))
-    assert [t.get_text() for t in figure.axes[0].get_xticklabels()] == ["a", " b"]
+    assert [t.get_text() for t in figure.axes[0].get_xticklabels()] == ["a", "␣b"]
     grid = plot.attention(res)
     assert grid.axes[0].get_title() == "head 0"
 

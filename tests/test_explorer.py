@@ -52,7 +52,7 @@ from envoykit.explorer.feature_html import (
     token_label,
     token_row,
 )
-from envoykit.explorer.sweep_panel import join_rows
+from envoykit.explorer.sweep_panel import SweepPanel, join_rows
 from envoykit.model.envoys import Location
 from envoykit.plot.text import visible
 from envoykit.results.feature_stats import Context
@@ -339,6 +339,24 @@ def test_diff_payload_names_both_runs_and_colours_like_plot_compare():
         assert grid["stops"] == [to_hex(colour) for colour in samples]
         plt.close(figure)
     assert data["grids"][" z"]["cmap"] == "RdBu_r"  # diverging: no change is the middle
+    # Fitted to the largest change, centred at none (a change of 0.25 is the darkest).
+    largest = float(np.abs(res.delta(" z")).max())
+    assert (data["grids"][" z"]["vmin"], data["grids"][" z"]["vmax"]) == (-largest, largest)
+    assert not data["grids"][" z"]["robust"]
+
+
+def test_the_diff_colours_over_plus_minus_one_on_the_toggle():
+    panel = ComparePanel("group")
+    panel.diff.metric = " z"
+    assert panel.diff.limits == {}  # the metric's own: fitted, centred
+    panel.scale.value = "absolute"
+    assert panel.diff.limits == {"vmin": -1.0, "vmax": 1.0, "log": False}
+    panel.diff.metric = "js"  # the JS divergence keeps its own 0..ln 2
+    assert panel.diff.limits == {}
+    panel.diff.metric = " z"
+    assert panel.diff.limits["vmin"] == -1.0
+    panel.scale.value = "fitted"
+    assert panel.diff.limits == {}
 
 
 def test_a_drop_patches_the_dragged_row_at_the_column_dropped_on():
@@ -400,6 +418,23 @@ def test_sweep_rows_join_in_order():
         res.source_value,
         res.tokens,
     )
+
+
+def test_the_sweep_colours_fit_its_range_unless_asked_for_0_to_1():
+    small = dataclasses.replace(ek.SweepResult.example(), metric="prob")
+    small = dataclasses.replace(small, values=small.values * 0.1 + 0.03)  # effects of 0.03-0.13
+    low, high = float(small.values.min()), float(small.values.max())
+    panel = SweepPanel()
+    panel.show(small)
+    image = panel.figure.axes[0].images[0]
+    assert image.get_clim() == pytest.approx((low, high))
+    assert f"colours fitted to {low:.3g}..{high:.3g}" in panel.figure.axes[0].get_title()
+    panel.scale.value = "absolute"  # redrawn, asking nothing
+    assert panel.figure.axes[0].images[0].get_clim() == (0.0, 1.0)
+    assert panel.result is small
+    flat = dataclasses.replace(small, values=np.full_like(small.values, 0.5))
+    vmin, vmax = ek.plot.sweep(flat).axes[0].images[0].get_clim()
+    assert vmin < 0.5 < vmax  # a flat map still has a colour scale
 
 
 @pytest.mark.engine

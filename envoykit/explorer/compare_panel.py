@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
+from typing import Any
 
 import ipywidgets as widgets
 
@@ -85,6 +86,26 @@ def _cell(res: LensResult, cell: Sequence[int], what: str) -> tuple[int, int]:
     return row, column
 
 
+def diff_scale(diff: Heatmap) -> widgets.ToggleButtons:
+    """A fitted / ±1 toggle for a diff heatmap's colours: a change of a target's probability
+    is coloured fitted to the largest change (the metric's own scale, centred at no change)
+    or over the whole -1..1; the JS divergence keeps its own 0..ln 2 either way."""
+    toggle = widgets.ToggleButtons(
+        options=[("fitted", "fitted"), ("±1", "absolute")],
+        value="fitted",
+        tooltip="Δp coloured to the largest change shown, or over the whole -1..1",
+        style={"button_width": "56px"},
+    )
+
+    def apply(_: Any = None) -> None:
+        absolute = toggle.value == "absolute" and diff.metric != "js"
+        diff.limits = {"vmin": -1.0, "vmax": 1.0, "log": False} if absolute else {}
+
+    toggle.observe(apply, "value")
+    diff.observe(apply, "metric")
+    return toggle
+
+
 class ComparePanel(widgets.VBox):
     """The second prompt's heatmap (a drag source of ``group``) over the diff heatmap.
 
@@ -110,9 +131,11 @@ class ComparePanel(widgets.VBox):
         self.diff_header = widgets.HTML()
         self.diff = Heatmap(metric="js")
         self.diff.add_class("ek-diff-heatmap")
+        self.scale = diff_scale(self.diff)
         self.result: CompareResult | None = None
+        diff_title = widgets.HBox([self.diff_header, self.scale])
         super().__init__(
-            [self.source_header, self.source, self.patch_button, self.diff_header, self.diff]
+            [self.source_header, self.source, self.patch_button, diff_title, self.diff]
         )
         self.add_class("ek-compare")
 

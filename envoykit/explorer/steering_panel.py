@@ -23,6 +23,7 @@ import ipywidgets as widgets
 
 from envoykit.analyses.compare import Run, compare
 from envoykit.analyses.steering import Steer
+from envoykit.explorer.compare_panel import diff_scale
 from envoykit.explorer.layout import typed_targets
 from envoykit.explorer.outputs import ENGINE_ERRORS, message_html
 from envoykit.explorer.payload import compare_data
@@ -83,6 +84,7 @@ class SteeringPanel(widgets.VBox):
         self.measure.on_choice(self._show_measure)
         self.diff = Heatmap(metric="js")
         self.diff.add_class("ek-steer-diff")
+        self.scale = diff_scale(self.diff)
         self.vector: SteeringVector | None = None
         self.plain: Generation | None = None
         self.steered: Generation | None = None
@@ -95,7 +97,7 @@ class SteeringPanel(widgets.VBox):
                 widgets.HBox([self.layer, self.scale, self.norm_match]),
                 widgets.HBox([self.max_tokens, self.targets, self.button]),
                 widgets.HBox([self.plain_view, self.steered_view], layout={"width": "100%"}),
-                widgets.HBox([self.diff_header, self.measure]),
+                widgets.HBox([self.diff_header, self.measure, self.scale]),
                 self.diff,
             ]
         )

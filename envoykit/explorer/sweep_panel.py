@@ -76,11 +76,18 @@ class SweepPanel(widgets.VBox):
             value=0, min=0, max=1, description="layers", layout=widgets.Layout(width="320px")
         )
         self.target = TargetChoice[int]("the token whose probability the sweep measures")
+        self.scale = widgets.ToggleButtons(
+            options=[("fitted", "fitted"), ("0–1", "absolute")],
+            value="fitted",
+            tooltip="colours over the map's own range, or over the whole 0..1",
+            style={"button_width": "56px"},
+        )
+        self.scale.observe(self._redraw, "value")
         self.header = widgets.HTML()
         self.view = widgets.Output()
         self.result: SweepResult | None = None
         self.figure: Any = None
-        controls = [self.button, self.cancel_button, self.target, self.progress]
+        controls = [self.button, self.cancel_button, self.target, self.scale, self.progress]
         super().__init__([widgets.HBox(controls), self.header, self.view])
         self.add_class("ek-sweep")
 
@@ -152,21 +159,30 @@ class SweepPanel(widgets.VBox):
         return result
 
     def show(self, res: SweepResult, took: float | None = None) -> None:
-        """Draw ``res`` as ``plot.sweep`` does (``took``: the seconds it took, said)."""
-        from matplotlib.figure import Figure
-
-        n_layers, n_pos = res.values.shape
-        size = (min(3.5 + 0.9 * n_pos, 12.0), min(2.5 + 0.25 * n_layers, 9.0))
-        ax = Figure(figsize=size).subplots()
-        plot.sweep(res, ax=ax)
-        self.result, self.figure = res, ax.figure
-        self.view.outputs = (figure_output(ax.figure, repr(res)),)
+        """Draw ``res`` as ``plot.sweep`` does, on the colour scale picked (``took``: the
+        seconds it took, said)."""
+        self.result = res
+        self._redraw()
         self._head(
             f"{res.label} at the first prompt's last position after copying the second "
             f"prompt's residual stream at each layer and position (clean {res.clean:.3g}, "
             f"second prompt {res.source_value:.3g})"
             + ("" if took is None else f"; took {duration(took)}")
         )
+
+    def _redraw(self, _: Any = None) -> None:
+        """The map of ``result`` on the colour scale picked (nothing without a result)."""
+        from matplotlib.figure import Figure
+
+        res = self.result
+        if res is None:
+            return
+        n_layers, n_pos = res.values.shape
+        size = (min(3.5 + 0.9 * n_pos, 12.0), min(2.5 + 0.25 * n_layers, 9.0))
+        ax = Figure(figsize=size).subplots()
+        plot.sweep(res, scale=self.scale.value, ax=ax)
+        self.figure = ax.figure
+        self.view.outputs = (figure_output(ax.figure, repr(res)),)
 
     def say(self, text: str, *, error: bool = False, details: str = "") -> None:
         """Show ``text`` in place of a map."""

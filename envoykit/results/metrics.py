@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # types only: results draw through this module, so it must no
 # Robust colour limits (`Metric.range`) from this many values up: below it, percentiles
 # would only drop real cells.
 _ROBUST_FROM = 20
+# The smallest half-range of a centred scale: changes of float rounding stay pale.
+_SMALLEST_CHANGE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class Metric:
 
     ``limits`` are the values the colour map's ends stand for; None takes the data's own
     range, for unbounded quantities (entropy, KL) whose useful range depends on the model.
+    ``centred``: a signed change, whose own range is ``±`` its largest size, so no change is
+    the colour map's middle whatever the data.
     """
 
     key: str
@@ -41,6 +45,7 @@ class Metric:
     units: str
     limits: tuple[float, float] | None
     cmap: str
+    centred: bool = False
 
     @property
     def title(self) -> str:
@@ -60,6 +65,9 @@ class Metric:
             return self.limits
         finite = np.asarray(values, dtype=np.float64)
         finite = finite[np.isfinite(finite)]
+        if self.centred:
+            size = max(float(np.abs(finite).max()) if finite.size else 0.0, _SMALLEST_CHANGE)
+            return (-size, size)
         if not finite.size:
             return (0.0, 1.0)
         low, high = float(finite.min()), float(finite.max())
@@ -76,7 +84,10 @@ class Metric:
         finite = np.asarray(values, dtype=np.float64)
         finite = finite[np.isfinite(finite)]
         robust = (
-            self.limits is None and finite.size > 0 and (vmin > finite.min() or vmax < finite.max())
+            self.limits is None
+            and not self.centred
+            and finite.size > 0
+            and (vmin > finite.min() or vmax < finite.max())
         )
         return {
             "key": self.key,
@@ -134,5 +145,7 @@ JS = Metric("js", "JS divergence", "nats", (0.0, float(np.log(2))), "Reds")
 
 
 def delta_metric(key: str, token: str, names: Sequence[str] = ("a", "b")) -> Metric:
-    """The change of ``token``'s probability from run ``names[0]`` to run ``names[1]``."""
-    return Metric(key, f"Δ p({token!r}), {names[1]} − {names[0]}", "", (-1.0, 1.0), "RdBu_r")
+    """The change of ``token``'s probability from run ``names[0]`` to run ``names[1]``,
+    coloured on a scale centred at no change and fitted to the largest change."""
+    label = f"Δ p({token!r}), {names[1]} − {names[0]}"
+    return Metric(key, label, "", None, "RdBu_r", centred=True)

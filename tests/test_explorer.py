@@ -1126,8 +1126,8 @@ def test_quick_cell_clicks_draw_the_last_and_skip_those_between(explorer, tiny2,
 @pytest.mark.engine
 def test_training_panel_offers_the_tuned_lens_and_cancel_keeps_the_best_so_far(explorer):
     """Train within a budget from the page: the bar fills, the lens menu offers the result,
-    and the header says how it did. With a long budget, Cancel ends it before its next step,
-    long before the budget, and still offers the best translators so far."""
+    and the header says how it did. With a long budget, Cancel ends it within its piece of
+    work in flight, long before the budget, and still offers the best translators so far."""
     panel = explorer.training_panel
     assert explorer.translator is None and explorer.lens_kind.layout.display == "none"
     panel.seconds.value = 3

@@ -47,25 +47,46 @@ def test_training_is_deterministic(tiny2, texts):
 
 def test_training_for_a_time_keeps_a_trained_step(tiny2, texts):
     """With ``max_seconds`` (and no step count) training stops on its own and returns the
-    translators of its best step: trained, finite, and their step count recorded."""
-    timed = ek.TunedLens.train(tiny2, texts[0], max_seconds=2, progress=False)
-    assert timed.model["steps"] >= 1
+    translators of its best step: trained, finite, and their steps recorded, the first one
+    piece of text (to learn the pace), none more than a batch."""
+    timed = ek.TunedLens.train(tiny2, texts[0], max_seconds=4, progress=False)
+    sizes = timed.model["step_tokens"]
+    assert timed.model["steps"] == len(sizes) >= 2
+    assert sizes[0] <= 128 and max(sizes) <= 256 + 128  # a piece; a batch and its last piece
     weights = torch.stack([a for a, _ in timed.weights.values()])
     assert torch.isfinite(weights).all() and weights.abs().sum() > 0
 
 
-def test_training_stops_when_told_and_keeps_its_best_step(tiny2, texts):
-    """``stop`` (a Cancel's event, set from another thread) ends training before its next
-    step: set before the start, one step runs, and what it learned comes back, marked."""
+class StopAfter:
+    """A stop that is set once it has been looked at ``n`` times: where training looks."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.asked = n, 0
+
+    def is_set(self) -> bool:
+        self.asked += 1
+        return self.asked > self.n
+
+
+def test_training_stops_within_a_step_and_keeps_its_best(tiny2, texts):
+    """``stop`` (a Cancel's event, set from another thread) is looked at before each piece
+    of text and each layer's backward: set before the start, nothing is trained and the
+    logit lens's zero translators come back, marked; set inside a step, that step is
+    dropped and training ends there."""
     import threading
 
     stop = threading.Event()
     stop.set()
     stopped = ek.TunedLens.train(tiny2, texts[0], steps=50, progress=False, stop=stop)
-    assert stopped.model["steps"] == 1 and stopped.model["stopped"] is True
-    assert torch.isfinite(torch.stack([a for a, _ in stopped.weights.values()])).all()
+    assert stopped.model["steps"] == 0 and stopped.model["stopped"] is True
+    assert all(float(a.abs().sum() + b.abs().sum()) == 0 for a, b in stopped.weights.values())
+    # Each step looks before each piece and each of the model's layers: stopping on the
+    # fifth look is inside the first step, of two steps asked for.
+    midway = ek.TunedLens.train(tiny2, texts[0], steps=2, progress=False, stop=StopAfter(5))
+    assert midway.model["steps"] == 0 and midway.model["stopped"] is True
     free = ek.TunedLens.train(tiny2, texts[0], steps=2, progress=False, stop=threading.Event())
     assert free.model["steps"] == 2 and "stopped" not in free.model
+    assert free.model["step_tokens"][0] >= 256  # without a budget, whole batches
 
 
 def test_tp1_equals_tp2_and_sent_once(tiny_engines, tuned, monkeypatch):

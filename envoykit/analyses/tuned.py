@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from safetensors.torch import save, save_file
 
-from envoykit._compat import Model
 from envoykit.analyses.tuned_training import cut_pieces, train_translators
 from envoykit.errors import InvalidRequest
 from envoykit.results import safetensors_file
@@ -95,12 +94,17 @@ class TunedLens:
         (AdamW) pulls the translators towards zero, the logit lens, where the data do not say
         otherwise.
 
-        Stops after ``steps`` optimizer steps, or before a step that would end past
-        ``max_seconds`` at the pace of the steps so far (one step always runs), or after one
-        pass over the texts if neither is given, or before the next step once ``stop``
-        (anything with ``is_set()``, such as a ``threading.Event`` a Cancel button sets from
-        another thread) is set: the best translators so far are returned, as at any other
-        end, and ``model["stopped"]`` says so. Deterministic given ``seed``. The
+        Stops after ``steps`` optimizer steps of ``batch_tokens`` tokens, or after one pass
+        over the texts if no budget is given, or within ``max_seconds`` (counted from the
+        call): the first step then takes one piece of text (128 tokens at most) to learn the
+        pace, and each later step as much of its batch as the time left holds at that pace,
+        keeping the time of the final held-out measurement; training ends when no piece
+        fits. ``model["step_tokens"]`` records each step's tokens. ``stop`` (anything with
+        ``is_set()``, such as a ``threading.Event`` a Cancel button sets from another
+        thread) is looked at before each piece of text and each layer's backward, so it acts
+        within one of them: the step in flight is dropped, and the best translators so far
+        are returned (the logit lens's zero translators if none beat them), with
+        ``model["stopped"]`` saying so. Deterministic given ``seed`` and ``steps``. The
         result's ``quality`` is its `LensQuality` on the held-out texts; a warning says so
         when it beats the logit lens at fewer than half of the layers (``warn=False``: the
         caller says it, as the explorer's training panel does in its header, since a
@@ -120,14 +124,14 @@ class TunedLens:
             stop=stop,
         )
         n = engine.info.n_layers
-        stopped = stop is not None and stop.is_set()
         tuned = cls(
             run.weights,
             {
                 **engine.fingerprint(),
                 "steps": run.steps,
+                "step_tokens": list(run.step_tokens),
                 "seed": seed,
-                **({"stopped": True} if stopped else {}),
+                **({"stopped": True} if run.stopped else {}),
             },
         )
         tuned.quality = run.quality
@@ -183,7 +187,7 @@ class TunedLens:
         return cls._from_tensors(tensors, model)
 
     @classmethod
-    def _from_tensors(cls, tensors: dict[str, torch.Tensor], model: Model) -> TunedLens:
+    def _from_tensors(cls, tensors: dict[str, torch.Tensor], model: object) -> TunedLens:
         if not isinstance(model, dict) or not all(k in model for k in IDENTITY):
             raise InvalidRequest("not a tuned lens saved by envoykit: its model is not named")
         n, d = model["n_layers"], model["d_model"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,8 @@ class Trained:
     weights: dict[int, tuple[torch.Tensor, torch.Tensor]]
     steps: int
     quality: LensQuality
+    step_tokens: tuple[int, ...]  # each step's tokens, as sized for a time budget
+    stopped: bool  # the stop ended it
 
 
 def train_translators(
@@ -93,17 +95,45 @@ def train_translators(
     head = gather_head(engine)
     checking = layer_streams(engine, held_out)
     translators = _Translators(head, checking, info.n_layers, info.d_model, lr, weight_decay)
-    started = time.monotonic()
+    clock = _Clock(time.monotonic(), max_seconds, stop)
     # Zero translators (the logit lens) are the first candidate: training that never
-    # beats them on held-out text returns them.
-    translators.validate()
+    # beats them on held-out text, or is stopped first, returns them. Measured whole (the
+    # one measurement the stop does not cut short) and timed: each costs the same.
+    translators.validate(clock, stoppable=False)
     total = steps or (None if max_seconds else len(batches))
-    step = _optimise(engine, batches, translators, total, max_seconds, started, progress, stop)
-    translators.validate()
+    sizes = _optimise(engine, batches, translators, total, clock, progress)
+    translators.validate(clock)
     _, (final_weight, final_bias), quality = translators.best
     assert quality is not None  # it comes with the translators just unpacked
     weights = {layer: (final_weight[layer], final_bias[layer]) for layer in range(info.n_layers)}
-    return Trained(weights, step, quality)
+    return Trained(weights, len(sizes), quality, tuple(sizes), clock.stopped())
+
+
+class _Clock:
+    """A training's time budget and its Cancel: what is left of ``max_seconds`` (counted
+    from ``started``), the pace of the steps so far and the cost of a held-out measurement,
+    and whether ``stop`` is set. Each stage asks it before each piece of its work, so a
+    Cancel acts within one piece (one layer's backward, or one layer's measurement)."""
+
+    def __init__(self, started: float, max_seconds: float | None, stop: Any) -> None:
+        self.started, self.max_seconds, self.stop = started, max_seconds, stop
+        self.per_token: float | None = None  # seconds a training token costs
+        self.measuring = 0.0  # seconds a held-out measurement costs
+
+    def stopped(self) -> bool:
+        return self.stop is not None and bool(self.stop.is_set())
+
+    def left(self) -> float:
+        if self.max_seconds is None:
+            return math.inf
+        return self.started + self.max_seconds - time.monotonic()
+
+    def tokens_that_fit(self) -> float:
+        """How many training tokens the budget still holds, keeping the time of the final
+        held-out measurement; any number before the pace is known, or without a budget."""
+        if self.per_token is None or self.max_seconds is None:
+            return math.inf
+        return (self.left() - self.measuring) / self.per_token
 
 
 def _check(
@@ -135,84 +165,114 @@ class _Translators:
         )
         self.best: tuple[float, Any, LensQuality | None] = (math.inf, None, None)
 
-    def step(self, streams: torch.Tensor) -> float:
-        """One optimizer step on a batch's streams (`_step`); its mean KL."""
-        return _step(self.head, streams, self.weight, self.bias, self.optimizer)
+    def step(self, engine: EngineBase, pieces: list[tuple[str, int]], clock: _Clock) -> bool:
+        """One optimizer step on ``pieces`` (`_step`); False, and no step, once the stop is
+        set."""
+        return _step(engine, self.head, pieces, self.weight, self.bias, self.optimizer, clock)
 
-    def validate(self) -> None:
-        """Keep the current translators if they are the best on the held-out streams yet."""
-        self.best = _keep_best(self.best, self.head, self.checking, self.weight, self.bias)
+    def validate(self, clock: _Clock, *, stoppable: bool = True) -> None:
+        """Keep the current translators if they are the best on the held-out streams yet
+        (and time the measurement); nothing once the stop is set, if ``stoppable``."""
+        began = time.monotonic()
+        stopped = clock.stopped if stoppable else lambda: False
+        best = _keep_best(self.best, self.head, self.checking, self.weight, self.bias, stopped)
+        if best is not None:
+            self.best = best
+            clock.measuring = time.monotonic() - began
 
 
 def _optimise(
     engine: EngineBase,
-    batches: list[list[str]],
+    batches: list[list[tuple[str, int]]],
     translators: _Translators,
     total: int | None,
-    max_seconds: float | None,
-    started: float,
+    clock: _Clock,
     progress: bool,
-    stop: Any,
-) -> int:
+) -> list[int]:
     """Steps over ``batches`` in turn, measured every `VALIDATE_EVERY`, until ``total``
-    steps, the time budget or ``stop``; the number of steps taken."""
+    steps, the time budget or the stop; the tokens of each step taken.
+
+    With a time budget the first step takes one piece of its batch, to learn the pace, and
+    each later step as many pieces of its batch as the budget holds at that pace (keeping
+    the time of the final measurement): training ends when not one piece fits."""
     from tqdm.auto import tqdm
 
     # The bar counts steps; with only a time budget, its total is the seconds allowed.
-    bar = tqdm(total=total or max_seconds, desc="tuned lens", disable=not progress)
-    step = 0
+    bar = tqdm(total=total or clock.max_seconds, desc="tuned lens", disable=not progress)
+    sizes: list[int] = []
     try:
-        # At least one step, however long the set-up took of a time budget; after it,
-        # no step that would end past the budget at the pace of the steps so far.
-        stepping = time.monotonic()
-        while (total is None or step < total) and not (
-            max_seconds and step and over_budget(started, stepping, step, max_seconds)
-        ):
-            if stop is not None and step and stop.is_set():
+        while (total is None or len(sizes) < total) and not clock.stopped():
+            pieces = _fitting(batches[len(sizes) % len(batches)], clock, first=not sizes)
+            began = time.monotonic()
+            if not pieces or not translators.step(engine, pieces, clock):
                 break
-            loss = translators.step(layer_streams(engine, batches[step % len(batches)]))
-            step += 1
-            if step % VALIDATE_EVERY == 0:
-                translators.validate()
-            bar.set_postfix(kl=f"{loss:.3f}", held_out=f"{translators.best[0]:.3f}")
-            bar.n = round(time.monotonic() - started) if total is None else step
+            tokens = sum(n for _, n in pieces)
+            clock.per_token = (time.monotonic() - began) / tokens
+            sizes.append(tokens)
+            if len(sizes) % VALIDATE_EVERY == 0 and clock.measuring < clock.left():
+                translators.validate(clock)
+            bar.set_postfix(held_out=f"{translators.best[0]:.3f}")
+            bar.n = round(time.monotonic() - clock.started) if total is None else len(sizes)
             bar.refresh()
     finally:
         bar.close()
-    return step
+    return sizes
+
+
+def _fitting(batch: list[tuple[str, int]], clock: _Clock, *, first: bool) -> list[tuple[str, int]]:
+    """The pieces of ``batch`` a step takes: one for the first step of a time budget (its
+    pace is not known yet), else as many as the budget holds (all, without one)."""
+    if first and clock.max_seconds is not None:
+        return batch[:1]
+    room, taken, tokens = clock.tokens_that_fit(), [], 0
+    for text, n in batch:
+        if tokens + n > room:
+            break
+        taken.append((text, n))
+        tokens += n
+    return taken
 
 
 def over_budget(started: float, stepping: float, steps: int, budget: float) -> bool:
     """Whether one more step, as long as the mean step since ``stepping``, would end more
-    than ``budget`` seconds after ``started``."""
+    than ``budget`` seconds after ``started`` (SAE training's rule)."""
     now = time.monotonic()
     return now + (now - stepping) / steps - started > budget
 
 
 def _step(
+    engine: EngineBase,
     head: Head,
-    streams: torch.Tensor,
+    pieces: list[tuple[str, int]],
     weight: torch.Tensor,
     bias: torch.Tensor,
     optimizer: torch.optim.Optimizer,
-) -> float:
-    """One optimizer step on a batch's ``[n_layers + 1, T, d]`` streams; the mean over layers
-    of KL(final || tuned layer). Layer by layer, each backward right after its forward, so
-    only one layer's ``T x vocab`` logits live at a time."""
-    with torch.no_grad():
-        final = head.log_probs(streams[-1])
-        final_probs = final.exp()
+    clock: _Clock,
+) -> bool:
+    """One optimizer step on ``pieces`` against the mean over layers of KL(final || tuned
+    layer), averaged over all their tokens: the gradient is accumulated a piece at a time
+    (one trace each) and a layer at a time (each backward right after its forward, so only
+    one layer's ``T x vocab`` logits live at a time). False, and no step, once the stop is
+    set: it is looked at before each piece and each layer."""
     optimizer.zero_grad()
-    total = 0.0
-    n = streams.shape[0] - 1
-    for layer in range(n):
-        h = streams[layer]
-        translated = h + h @ weight[layer].T + bias[layer]
-        kl = (final_probs * (final - head.log_probs(translated))).sum(-1).mean() / n
-        kl.backward()
-        total += float(kl.detach())
+    tokens = sum(n for _, n in pieces)
+    for text, n in pieces:
+        if clock.stopped():
+            return False
+        streams = layer_streams(engine, [text])
+        with torch.no_grad():
+            final = head.log_probs(streams[-1])
+            final_probs = final.exp()
+        layers = streams.shape[0] - 1
+        for layer in range(layers):
+            if clock.stopped():
+                return False
+            h = streams[layer]
+            translated = h + h @ weight[layer].T + bias[layer]
+            kl = (final_probs * (final - head.log_probs(translated))).sum(-1).mean()
+            (kl * (n / tokens / layers)).backward()
     optimizer.step()
-    return total
+    return True
 
 
 def cut_pieces(tokenizer: Tokenizer, texts: Sequence[str]) -> list[tuple[str, int]]:
@@ -232,10 +292,10 @@ def cut_pieces(tokenizer: Tokenizer, texts: Sequence[str]) -> list[tuple[str, in
 
 def _batches(
     tokenizer: Tokenizer, texts: Sequence[str], batch_tokens: int, seed: int, held_out: float
-) -> tuple[list[list[str]], list[str]]:
+) -> tuple[list[list[tuple[str, int]]], list[str]]:
     """`cut_pieces` shuffled with ``seed``: a ``held_out`` share of them (at least one, at most
     two batches' tokens) apart, the rest grouped into training batches of about
-    ``batch_tokens``."""
+    ``batch_tokens`` (each piece with its token count)."""
     pieces = cut_pieces(tokenizer, texts)
     random.Random(seed).shuffle(pieces)
     # A held-out share, but no more than two batches of tokens: it is measured every few
@@ -250,9 +310,11 @@ def _batches(
             f"the texts hold {sum(n for _, n in pieces)} tokens, fewer than one batch "
             f"(batch_tokens={batch_tokens}): give more text or a smaller batch"
         )
-    batches, current, count = [], [], 0
+    batches: list[list[tuple[str, int]]] = []
+    current: list[tuple[str, int]] = []
+    count = 0
     for text, n in pieces:
-        current.append(text)
+        current.append((text, n))
         count += n
         if count >= batch_tokens:
             batches.append(current)
@@ -266,10 +328,14 @@ def _keep_best(
     streams: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
-) -> tuple[float, Any, LensQuality | None]:
+    stopped: Callable[[], bool],
+) -> tuple[float, Any, LensQuality | None] | None:
     """``best`` or the current translators, whichever is closer to the final distribution
-    on the held-out streams (mean KL over layers): ``(score, (A, b), their LensQuality)``."""
-    quality = held_out_quality(head, streams, weight, bias)
+    on the held-out streams (mean KL over layers): ``(score, (A, b), their LensQuality)``;
+    None if ``stopped()`` before the measurement ended."""
+    quality = held_out_quality(head, streams, weight, bias, stopped)
+    if quality is None:
+        return None
     score = float(quality.tuned_kl.mean())
     if score < best[0]:
         return score, (weight.detach().clone(), bias.detach().clone()), quality
@@ -278,10 +344,15 @@ def _keep_best(
 
 @torch.no_grad()
 def held_out_quality(
-    head: Head, streams: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
-) -> LensQuality:
+    head: Head,
+    streams: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    stopped: Callable[[], bool] = lambda: False,
+) -> LensQuality | None:
     """`LensQuality` of translators on held-out ``streams`` ``[n_layers + 1, T, d]``: per
-    layer, the mean KL(final || lens) of the logit lens and of the tuned lens."""
+    layer, the mean KL(final || lens) of the logit lens and of the tuned lens; None once
+    ``stopped()``, asked before each layer."""
     final = head.log_probs(streams[-1])
     final_probs = final.exp()
     n = streams.shape[0] - 1
@@ -289,10 +360,13 @@ def held_out_quality(
     def kl(x: torch.Tensor) -> float:
         return float((final_probs * (final - head.log_probs(x))).sum(-1).mean())
 
-    logit = [kl(streams[layer]) for layer in range(n)]
-    tuned = [
-        kl(streams[layer] + streams[layer] @ weight[layer].T + bias[layer]) for layer in range(n)
-    ]
+    logit, tuned = [], []
+    for layer in range(n):
+        if stopped():
+            return None
+        h = streams[layer]
+        logit.append(kl(h))
+        tuned.append(kl(h + h @ weight[layer].T + bias[layer]))
     return LensQuality(np.arange(n), np.array(logit), np.array(tuned), int(streams.shape[1]))
 
 

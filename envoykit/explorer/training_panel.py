@@ -3,8 +3,10 @@ in seconds, the time left, and a Cancel that keeps the best translators so far.
 
 `TunedLens.train` runs on a thread of its own (`Background`), so the notebook stays usable
 (a Run meanwhile waits for the step in flight). The budget typed in is its ``max_seconds``
-(no step begins that would end past it at the pace so far), and Cancel sets its ``stop``,
-so training ends before its next step with the translators best on held-out text so far.
+(the first step learns the pace on one piece of text, and each later step takes what the
+time left holds), and Cancel sets its ``stop``, which training looks at before each piece of
+text and each layer's backward: it ends within one of them, the step in flight dropped, with
+the translators best on held-out text so far.
 When it ends, the explorer offers the tuned lens beside the logit lens (``on_trained``) and
 the header says how it did: the steps, the time, and at how many layers it is closer to the
 final distribution than the logit lens on held-out text. Every text it shows passes
@@ -55,7 +57,7 @@ class TrainingPanel(widgets.VBox):
             description="Cancel",
             icon="stop",
             disabled=True,
-            tooltip="stop before the next step, keeping the best translators so far",
+            tooltip="stop now, dropping the step in flight and keeping the best translators",
         )
         self._stop = threading.Event()
         self.cancel_button.on_click(lambda _: self._stop.set())
@@ -93,7 +95,7 @@ class TrainingPanel(widgets.VBox):
         def say(elapsed: float) -> None:
             self.progress.value = min(budget, round(elapsed))
             if self._stop.is_set():
-                self._head("cancelling: training stops before its next step…")
+                self._head("cancelling: training stops within its piece of work in flight…")
                 return
             left = max(0.0, budget - elapsed)
             self._head(f"training: {duration(elapsed)} so far, at most {duration(left)} left")

@@ -844,6 +844,13 @@ def center(box: dict[str, float]) -> tuple[float, float]:
     return box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
 
 
+def open_tab(page: Any, title: str) -> None:
+    """Open the explorer's panel tab ``title`` (one panel shows at a time)."""
+    tab = page.locator(".ek-panels .lm-TabBar-tab", has_text=title)
+    tab.click()
+    wait_for(lambda: "lm-mod-current" in (tab.get_attribute("class") or ""), 30, f"tab {title}")
+
+
 def pick_sites_and_run(page: Any, state: Callable[[], dict], run_button: Any) -> list[str]:
     """In the layer picker, click the last layer's attention row and drag along the "mid"
     line across every decoder layer, then Run; the heatmap's rows as the kernel holds them."""
@@ -883,6 +890,7 @@ def pick_sites_and_run(page: Any, state: Callable[[], dict], run_button: Any) ->
     assert labels == expected
     # The trajectory over those rows is drawn, loaded and whole inside the explorer
     # (tests/test_result.py checks the figure's own lines, markers and ticks).
+    open_tab(page, "Trajectory")
     figure = page.locator(f".ek-trajectory {FIGURE}")
     figure.scroll_into_view_if_needed()
     page.wait_for_function(
@@ -903,6 +911,7 @@ def attribute_a_cell(page: Any, state: Callable[[], dict], label: str, target: i
     check the attribution panel follows: position 0, token ``target``. The row's index."""
     res = state()["result"]
     row = res["layer_labels"].index(label)
+    open_tab(page, "Attribution")
     tip = hover_cell(page, row, 0, MAIN)
     head = page.locator(f"{MAIN} .ek-tooltip .ek-tip-head").inner_text()
     assert head.startswith(f"layer {label} · "), head
@@ -947,6 +956,8 @@ def compare_and_drag_to_patch(page: Any, state: Callable[[], dict], run_button: 
     first prompt's heatmap, on another row of that column: the kernel patches layer 2 there
     and the first heatmap is redrawn."""
     page.get_by_role("checkbox", name="compare with a second prompt").check()
+    tab = page.locator(".ek-panels .lm-TabBar-tab", has_text="Compare")
+    wait_for(lambda: "lm-mod-current" in (tab.get_attribute("class") or ""), 30, "its tab")
     page.locator(".widget-textarea textarea").nth(1).fill(OTHER)
     run_button.click()
     compared = wait_for(
@@ -1264,6 +1275,7 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         t = time.monotonic()
         res = state()["result"]
         layer, position = len(res["layer_labels"]) - 1, len(res["top_ids"][0]) - 1
+        open_tab(page, "Attribution")  # before the click: a press elsewhere closes a tooltip
         tip = hover_cell(page, layer, position, MAIN)
         assert_tooltip_matches(
             tip["rows"],

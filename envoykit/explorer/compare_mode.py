@@ -95,10 +95,15 @@ class CompareMode(ExplorerState):
             self.engine, self._other, self._request["prompt"], layers=layers, target_token=target
         )
 
-    def _on_compare(self, _: Any = None) -> None:
+    def _on_compare(self, change: Any = None) -> None:
+        """The second prompt's box and the Compare tab follow the tick (a tick by the
+        researcher opens the tab)."""
         shown = None if self.compare.value else "none"
         self.other_prompt.layout.display = shown
         self.compare_box.layout.display = shown
+        self.compare_hint.layout.display = "none" if shown is None else None
+        if change is not None and self.compare.value:
+            self.open_panel("Compare")
         if self.engine is not None and self.result is not None:
             self.status.value = "compare mode changed: press Run"
 

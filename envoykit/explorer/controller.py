@@ -168,20 +168,20 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         for mine, theirs in ((self.prompt, panel.prompt), (self.targets, panel.targets)):
             widgets.link((mine, "value"), (theirs, "value"))
             theirs.layout.display = "none"
-        self.children = (*self.children, panel)
+        self.add_panel("Steering", panel)
         return panel
 
     def _add_corpus_panel(self) -> CorpusPanel:
         """The corpus lens under the other views: this engine's lens over many documents,
         the tuned lens beside it once one is offered."""
         panel = CorpusPanel(self.engine, translator=self.translator)
-        self.children = (*self.children, panel)
+        self.add_panel("Corpus", panel)
         return panel
 
     def _add_training_panel(self) -> TrainingPanel:
         """Training a tuned lens from the page: once trained, the lens menu offers it."""
         panel = TrainingPanel(self.engine, self.set_translator)
-        self.children = (*self.children, panel)
+        self.add_panel("Training", panel)
         return panel
 
     def _add_features_panel(self, sae: SAE) -> FeaturesPanel:
@@ -190,7 +190,7 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         panel = FeaturesPanel(self.engine, sae, prompt=self.prompt.value)
         widgets.link((self.prompt, "value"), (panel.prompt, "value"))
         panel.prompt.layout.display = "none"
-        self.children = (*self.children, panel)
+        self.add_panel("Features", panel)
         return panel
 
     def set_translator(self, translator: TunedLens) -> None:

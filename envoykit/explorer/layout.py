@@ -1,9 +1,11 @@
 """What a `LensExplorer` shows and where: its widgets, built and arranged, and nothing else.
 
 `ExplorerLayout` is the explorer's screen: the prompt boxes, the controls, the message line,
-the layer picker, the heatmaps, the compare and sweep panels, the trajectory, the
-attribution panel and the attention panel. `envoykit.explorer.controller` and the parts it
-mixes in add what they do.
+the layer picker and the heatmap, then the panels in tabs (``panels``): the trajectory, the
+attribution, the attention, the compare and sweep panels, and those the controller adds
+(steering, corpus, training, features). One panel is open at a time, so the controls, the
+heatmap and the panel in use fit one screen. `envoykit.explorer.controller` and the parts
+it mixes in add what they do.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import ipywidgets as widgets
 from envoykit.explorer.attention_panel import AttentionPanel
 from envoykit.explorer.attribution_panel import AttributionPanel
 from envoykit.explorer.compare_panel import ComparePanel
+from envoykit.explorer.outputs import message_html
 from envoykit.explorer.sweep_panel import SweepPanel
 from envoykit.explorer.views import Heatmap, LayerPicker
 
@@ -143,10 +146,34 @@ class ExplorerLayout(widgets.VBox):
             "layer and position, for the token picked beside the Sweep button"
         )
         self.compare_box = widgets.VBox([self.compare_panel, self.sweep_panel])
+        self.compare_hint = widgets.HTML(
+            message_html(
+                "tick 'compare with a second prompt' and Run: the diff of the two prompts, "
+                "drag-to-patch and the patch sweep are drawn here"
+            )
+        )
         self.trajectory = widgets.Output()
         self.trajectory.add_class("ek-trajectory")
         self.attribution_panel = AttributionPanel()
         self.attention_panel = AttentionPanel()
+        self.panels = widgets.Tab()
+        self.panels.add_class("ek-panels")
+        for title, panel in (
+            ("Trajectory", self.trajectory),
+            ("Attribution", self.attribution_panel),
+            ("Attention", self.attention_panel),
+            ("Compare", widgets.VBox([self.compare_hint, self.compare_box])),
+        ):
+            self.add_panel(title, panel)
+
+    def add_panel(self, title: str, panel: widgets.Widget) -> None:
+        """``panel`` as the last tab, named ``title``."""
+        self.panels.children = (*self.panels.children, panel)
+        self.panels.titles = (*self.panels.titles[:-1], title)
+
+    def open_panel(self, title: str) -> None:
+        """Open the tab named ``title``."""
+        self.panels.selected_index = list(self.panels.titles).index(title)
 
     def _arrange(self) -> list[widgets.Widget]:
         """Inputs beside the prompts, then the message line and the views, top to bottom."""
@@ -172,10 +199,7 @@ class ExplorerLayout(widgets.VBox):
             self.pins,
             self.patch_note,  # right above the heatmap it is about
             self.heatmap,
-            self.compare_box,
-            self.trajectory,
-            self.attribution_panel,
-            self.attention_panel,
+            self.panels,
         ]
 
 

@@ -76,6 +76,8 @@ class ExplorerState:
     compare_panel: ComparePanel
     sweep_panel: SweepPanel
     compare_box: widgets.VBox
+    compare_hint: widgets.HTML
+    panels: widgets.Tab
     trajectory: widgets.Output
     attribution_panel: AttributionPanel
     attention_panel: AttentionPanel
@@ -87,6 +89,9 @@ class ExplorerState:
         def _shown(self) -> LensResult | None: ...
 
         def _show(self) -> None: ...
+
+        # The layout's.
+        def open_panel(self, title: str) -> None: ...
 
         # `LensRuns`'.
         def _lens(

@@ -274,6 +274,23 @@ def test_read_only_explorer_has_no_compare_mode():
     assert "Run in compare mode first" in explorer.sweep_panel.header.value
 
 
+def test_panels_are_tabs_one_open_at_a_time():
+    explorer = LensExplorer(ek.LensResult.example())
+    tabs = explorer.panels
+    assert tabs.titles == ("Trajectory", "Attribution", "Attention", "Compare")
+    assert tabs.children[:3] == (
+        explorer.trajectory,
+        explorer.attribution_panel,
+        explorer.attention_panel,
+    )
+    assert tabs.selected_index == 0
+    explorer.open_panel("Attention")
+    assert tabs.selected_index == 2
+    assert explorer.compare_hint.layout.display is None  # compare mode is off: a hint
+    with pytest.raises(ValueError):
+        explorer.open_panel("Nowhere")
+
+
 def test_attribution_panel_draws_and_escapes():
     """The panel names target and position as text (an HTML widget: escaped), draws the
     attention and MLP bars with the clicked row's layer shaded, and forgets them on a
@@ -832,6 +849,12 @@ def comparing(tiny2):
 
 @pytest.mark.engine
 def test_compare_mode_lenses_both_prompts_and_draws_their_diff(comparing, tiny2):
+    titles = comparing.panels.titles
+    assert titles[4:] == ("Steering", "Corpus", "Training")  # with an engine
+    comparing.compare.value = False
+    comparing.compare.value = True  # ticked: its tab opens, its hint goes
+    assert titles[comparing.panels.selected_index] == "Compare"
+    assert comparing.compare_hint.layout.display == "none"
     res = comparing.run()
     assert comparing.compare_box.layout.display is None
     other = comparing.other_result

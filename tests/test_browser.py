@@ -984,10 +984,23 @@ def compare_and_drag_to_patch(page: Any, state: Callable[[], dict], run_button: 
     end = cell_center(page, MAIN, target_row, position)
     viewport = page.viewport_size
     assert 0 < start["y"] < viewport["height"] and 0 < end["y"] < viewport["height"]
+    # A drop beside the heatmaps: while dragging, the heatmap that takes it is outlined;
+    # dropped elsewhere, the ghost says where to drop, then goes, and nothing is patched.
+    page.mouse.move(start["x"], start["y"])
+    page.mouse.down()
+    page.mouse.move(start["x"] + 40, start["y"] + 40, steps=4)
+    assert page.locator(f"{MAIN}.ek-drop-ready").count() == 1
+    assert page.locator(f"{SOURCE}.ek-drop-ready").count() == 0
+    page.mouse.move(2, start["y"], steps=4)  # over the page's margin
+    page.mouse.up()
+    ghost = page.locator(".ek-ghost")
+    assert ghost.inner_text() == "drop it on the outlined heatmap to patch it in"
+    assert page.locator(".ek-drop-ready").count() == 0
+    ghost.wait_for(state="detached", timeout=10000)
+    assert main.evaluate(CANVAS_DIGEST) == before and not state()["result"]["patches"]
     page.mouse.move(start["x"], start["y"])
     page.mouse.down()
     page.mouse.move(end["x"], end["y"], steps=12)
-    ghost = page.locator(".ek-ghost")
     assert f"→ position {position} " in ghost.inner_text()  # where it lands, said while dragging
     assert ghost.inner_text().endswith(", row 2")
     ARTIFACTS.mkdir(exist_ok=True)

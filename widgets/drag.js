@@ -7,7 +7,9 @@
 // it tells the heatmap under the pointer, if that one's role is "target" and its `drag_group`
 // the same, through DOM events on its root: "ek-dragover" (it outlines where the cell would
 // land and names it in the event's detail), "ek-dragleave" and "ek-drop", on which the target
-// sets its `drop` traitlet. Neither knows the other's model.
+// sets its `drop` traitlet. Neither knows the other's model. While a cell is dragged every
+// heatmap that takes it is outlined (class ek-drop-ready), and a drop anywhere else leaves
+// the ghost a moment saying where to drop.
 
 /**
  * What a dragged cell carries in the detail of the "ek-dragover" and "ek-drop" events.
@@ -33,6 +35,18 @@ function dropTargetAt(view, x, y) {
     : null;
 }
 
+/** The roots of every heatmap that takes this heatmap's drops: outlined while dragging. */
+function dropTargets(view) {
+  const group = view.model.get("drag_group");
+  if (!group) return [];
+  return [...document.querySelectorAll(".ek-heatmap[data-drag-role='target']")].filter(
+    (root) => root !== view.root && root.dataset.dragGroup === group,
+  );
+}
+
+const MISSED = "drop it on the outlined heatmap to patch it in";
+const MISSED_MS = 2500; // how long a missed drop's hint stays by the pointer
+
 /** @returns {Dragged} */
 function dragDetail(view, event) {
   const cell = view.drag.cell;
@@ -45,6 +59,7 @@ function endDrag(view) {
   if (!drag) return;
   if (drag.over) drag.over.dispatchEvent(new CustomEvent("ek-dragleave"));
   if (drag.ghost) drag.ghost.remove();
+  for (const root of drag.outlined || []) root.classList.remove("ek-drop-ready");
   if (view.canvas.hasPointerCapture(drag.id)) view.canvas.releasePointerCapture(drag.id);
   view.drag = null;
 }
@@ -58,6 +73,8 @@ function moveDrag(view, event) {
     // On the page's body, not in the widget: JupyterLab's output areas clip what they hold.
     drag.ghost = element("div", "ek-ghost");
     document.body.append(drag.ghost);
+    drag.outlined = dropTargets(view);
+    for (const root of drag.outlined) root.classList.add("ek-drop-ready");
   }
   const over = dropTargetAt(view, event.clientX, event.clientY);
   if (drag.over && drag.over !== over) drag.over.dispatchEvent(new CustomEvent("ek-dragleave"));
@@ -65,7 +82,7 @@ function moveDrag(view, event) {
   const detail = dragDetail(view, event);
   if (over) over.dispatchEvent(new CustomEvent("ek-dragover", { detail }));
   const what = `row ${detail.label} at ${show(data(view).tokens[drag.cell[1]])}`;
-  drag.ghost.textContent = detail.landing ? `${what} → ${detail.landing}` : what;
+  drag.ghost.textContent = detail.landing ? `${what} → ${detail.landing}` : `${what}: ${MISSED}`;
   drag.ghost.classList.toggle("ek-ghost-over", Boolean(detail.landing));
   drag.ghost.style.left = `${event.clientX + 14}px`;
   drag.ghost.style.top = `${event.clientY + 10}px`;
@@ -93,10 +110,21 @@ function listenDragSource(view) {
       view.dragged = true;
       const over = dropTargetAt(view, event.clientX, event.clientY);
       if (over) over.dispatchEvent(new CustomEvent("ek-drop", { detail: dragDetail(view, event) }));
+      else {
+        missed(drag.ghost); // it stays a moment, saying where to drop
+        drag.ghost = null;
+      }
     }
     endDrag(view);
   });
   canvas.addEventListener("pointercancel", () => endDrag(view));
+}
+
+/** A drop that landed on no heatmap that takes it: its ghost says where to drop, then goes. */
+function missed(ghost) {
+  ghost.textContent = MISSED;
+  ghost.classList.add("ek-ghost-missed");
+  setTimeout(() => ghost.remove(), MISSED_MS);
 }
 
 // -- taking a dropped cell (drag_role "target") ---------------------------------------------

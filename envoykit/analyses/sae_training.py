@@ -49,7 +49,6 @@ from envoykit.analyses.sae import SAE
 from envoykit.analyses.sae_model import TrainingSAE
 from envoykit.analyses.sae_plan import Options, Plan, check_options, plan_run
 from envoykit.analyses.sae_rows import Reader, Rows, batches, rows_of, statistics
-from envoykit.analyses.tuned_training import over_budget
 from envoykit.errors import InvalidRequest
 from envoykit.results.activations import Activations
 
@@ -277,3 +276,10 @@ def _write(out: Path, sae: SAE, plan: Plan, records: list[dict[str, Any]], stopp
     best = min(records, key=lambda record: record["held_out_fvu"])
     log = {"settings": asdict(plan), "stopped": stopped, "best": best, "records": records}
     (out / LOG).write_text(json.dumps(log, indent=1))
+
+
+def over_budget(started: float, stepping: float, steps: int, budget: float) -> bool:
+    """Whether one more step, as long as the mean step since ``stepping``, would end more
+    than ``budget`` seconds after ``started``."""
+    now = time.monotonic()
+    return now + (now - stepping) / steps - started > budget

@@ -233,13 +233,6 @@ def _fitting(batch: list[tuple[str, int]], clock: _Clock, *, first: bool) -> lis
     return taken
 
 
-def over_budget(started: float, stepping: float, steps: int, budget: float) -> bool:
-    """Whether one more step, as long as the mean step since ``stepping``, would end more
-    than ``budget`` seconds after ``started`` (SAE training's rule)."""
-    now = time.monotonic()
-    return now + (now - stepping) / steps - started > budget
-
-
 def _step(
     engine: EngineBase,
     head: Head,

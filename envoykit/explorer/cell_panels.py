@@ -133,7 +133,7 @@ class CellPanels(ExplorerState):
 
         def attend() -> None:
             try:
-                res = held or engine.attention(prompt, queries=[position])
+                res = held if held is not None else engine.attention(prompt, queries=[position])
             except Exception as err:  # on the cells' thread: said here, or nowhere
                 line, details = failure(err)
                 panel.say(line, error=True, details=details)

@@ -5,10 +5,10 @@ shows, for the selected cell's position, a layers x heads grid of what that quer
 to (`AttentionView`); a click on a head draws its token-by-token pattern (from the result,
 or, where it holds the one query only, from ``fetch``, which the controller points at the
 engine, on a thread of the panel's own so the kernel stays free: `wait` waits for it); with an
-attribution of the focus target (``attribute(..., heads=True)``) the selected layer's heads
-are drawn as bars of their contribution to its logit. The panel draws from results only: the
-controller (or a user with a stored `AttentionResult`) calls the engine. Its header is an
-ipywidgets ``HTML``, so its text is escaped.
+attribution of the target picked in the attribution panel (``attribute(..., heads=True)``)
+the selected layer's heads are drawn as bars of their contribution to its logit. The panel
+draws from results only: the controller (or a user with a stored `AttentionResult`) calls
+the engine. Its header is an ipywidgets ``HTML``, so its text is escaped.
 """
 
 from __future__ import annotations

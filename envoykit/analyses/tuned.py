@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from safetensors.torch import save, save_file
 
-from envoykit.analyses.tuned_training import cut_pieces, train_translators
+from envoykit.analyses.tuned_data import cut_pieces
+from envoykit.analyses.tuned_training import train_translators
 from envoykit.errors import InvalidRequest
 from envoykit.results import safetensors_file
 from envoykit.results.identity import IDENTITY, check_same_model

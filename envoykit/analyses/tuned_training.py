@@ -179,7 +179,8 @@ def _optimise(
             tokens = sum(n for _, n in pieces)
             clock.per_token = (time.monotonic() - began) / tokens
             sizes.append(tokens)
-            if len(sizes) % VALIDATE_EVERY == 0 and clock.measuring < clock.left():
+            # A measurement on the way, if the budget holds it and the final one after it.
+            if len(sizes) % VALIDATE_EVERY == 0 and 2 * clock.measuring < clock.left():
                 translators.validate(clock)
             bar.set_postfix(held_out=f"{translators.best[0]:.3f}")
             bar.n = round(time.monotonic() - clock.started) if total is None else len(sizes)

@@ -9,8 +9,6 @@ import envoykit as ek
 
 def seeded_tuned_lens(engine: ek.Engine) -> ek.TunedLens:
     """Translators of ``engine``'s model with no training: small seeded A and b per layer."""
-    from envoykit.analyses.tuned import fingerprint
-
     generator = torch.Generator().manual_seed(0)
     n, d = engine.info.n_layers, engine.info.d_model
     weights = {
@@ -20,4 +18,4 @@ def seeded_tuned_lens(engine: ek.Engine) -> ek.TunedLens:
         )
         for layer in range(n)
     }
-    return ek.TunedLens(weights, fingerprint(engine))
+    return ek.TunedLens(weights, engine.fingerprint())

@@ -491,4 +491,4 @@ def test_corpus_panel_runs_cancels_and_escapes(tiny2):
     panel.texts.value = "  \n "
     assert panel.run() is None and "no documents" in panel.header.value
     explorer = LensExplorer(tiny2, prompt="Paris")
-    assert explorer.corpus_panel in explorer.children
+    assert explorer.corpus_panel in explorer.panels.children

@@ -366,13 +366,13 @@ def test_the_diff_colours_over_plus_minus_one_on_the_toggle():
     panel = ComparePanel("group")
     panel.diff.metric = " z"
     assert panel.diff.limits == {}  # the metric's own: fitted, centred
-    panel.scale.value = "absolute"
+    panel.diff_scale.value = "absolute"
     assert panel.diff.limits == {"vmin": -1.0, "vmax": 1.0, "log": False}
     panel.diff.metric = "js"  # the JS divergence keeps its own 0..ln 2
     assert panel.diff.limits == {}
     panel.diff.metric = " z"
     assert panel.diff.limits["vmin"] == -1.0
-    panel.scale.value = "fitted"
+    panel.diff_scale.value = "fitted"
     assert panel.diff.limits == {}
 
 
@@ -1526,6 +1526,6 @@ def test_explorer_with_an_sae_has_the_features_panel_on_its_prompt(tiny1):
     assert LensExplorer(tiny1, prompt=PROMPT).features_panel is None
     explorer = LensExplorer(tiny1, prompt=PROMPT, sae=load_sae(FEATURE_SAE))
     panel = explorer.features_panel
-    assert panel in explorer.children and panel.prompt.layout.display == "none"
+    assert panel in explorer.panels.children and panel.prompt.layout.display == "none"
     explorer.prompt.value = OTHER
     assert panel.read().prompt == OTHER

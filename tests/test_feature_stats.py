@@ -25,6 +25,7 @@ from safetensors.numpy import load_file
 
 import envoykit as ek
 from envoykit.errors import InvalidRequest
+from envoykit.plot.text import short
 
 pytestmark = pytest.mark.engine
 
@@ -230,11 +231,11 @@ def test_the_dashboard_draws_what_the_statistics_hold(tiny1):
     logits = tiny1.feature_logits(sae, f, k=4)
     histogram, effects, contexts = ek.plot.feature(stats, f, logits=logits).axes
     assert [bar.get_height() for bar in histogram.patches] == stats.histogram(f)[1].tolist()
-    shown = [label.get_text() for label in effects.get_yticklabels()]
-    assert repr(logits.top_tokens[0][0]) in shown and repr(logits.bottom_tokens[0][0]) in shown
+    shown = [label.get_text() for label in effects.get_yticklabels()]  # whitespace marked
+    assert short(logits.top_tokens[0][0], 12) in shown
+    assert short(logits.bottom_tokens[0][0], 12) in shown
     texts = [text.get_text() for text in contexts.texts]
-    expected = [t if t.strip() else "␣" * len(t) for c in stats.contexts(f) for t in c.tokens]
-    assert texts == expected
+    assert texts == [short(t, 9) for c in stats.contexts(f) for t in c.tokens]
     assert len(contexts.get_yticklabels()) == 3
 
 

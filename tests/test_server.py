@@ -394,13 +394,13 @@ def test_tuned_lens_refusals_through_the_server(server, client, tuned):
 def test_train_evaluate_check_load_and_explorer_through_the_server(client, tiny2, tmp_path):
     """`TunedLens.train`, `evaluate`, `check`, `load` and `LensExplorer(translator=...)` take
     a connection as they take an engine, and give what they give in process."""
-    from envoykit.analyses.tuned import fingerprint, offline_texts
+    from envoykit.analyses.tuned import offline_texts
 
     texts, held_out = offline_texts()
     kwargs = dict(steps=2, batch_tokens=128, progress=False)
     remote = ek.TunedLens.train(client, texts, **kwargs)
     local = ek.TunedLens.train(tiny2, texts, **kwargs)
-    assert remote.model == local.model and fingerprint(client) == fingerprint(tiny2)
+    assert remote.model == local.model and client.fingerprint() == tiny2.fingerprint()
     for layer, (a, b) in local.weights.items():
         np.testing.assert_allclose(remote.weights[layer][0], a, rtol=0, atol=1e-5)
         np.testing.assert_allclose(remote.weights[layer][1], b, rtol=0, atol=1e-5)

@@ -285,7 +285,7 @@ class TestPanel:
     def test_explorer_steers_its_own_prompt(self, tiny2):
         explorer = ek.LensExplorer(tiny2, prompt=PROMPT, targets=[TARGET])
         panel = explorer.steering_panel
-        assert panel in explorer.children and panel.prompt.value == PROMPT
+        assert panel in explorer.panels.children and panel.prompt.value == PROMPT
         explorer.prompt.value = "The capital of Italy is"
         explorer.targets.value = "e, a"
         assert panel.prompt.value == "The capital of Italy is" and panel.targets.value == "e, a"

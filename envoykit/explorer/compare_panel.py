@@ -131,9 +131,9 @@ class ComparePanel(widgets.VBox):
         self.diff_header = widgets.HTML()
         self.diff = Heatmap(metric="js")
         self.diff.add_class("ek-diff-heatmap")
-        self.scale = diff_scale(self.diff)
+        self.diff_scale = diff_scale(self.diff)
         self.result: CompareResult | None = None
-        diff_title = widgets.HBox([self.diff_header, self.scale])
+        diff_title = widgets.HBox([self.diff_header, self.diff_scale])
         super().__init__(
             [self.source_header, self.source, self.patch_button, diff_title, self.diff]
         )

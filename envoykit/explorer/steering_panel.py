@@ -84,7 +84,7 @@ class SteeringPanel(widgets.VBox):
         self.measure.on_choice(self._show_measure)
         self.diff = Heatmap(metric="js")
         self.diff.add_class("ek-steer-diff")
-        self.scale = diff_scale(self.diff)
+        self.diff_scale = diff_scale(self.diff)
         self.vector: SteeringVector | None = None
         self.plain: Generation | None = None
         self.steered: Generation | None = None
@@ -97,7 +97,7 @@ class SteeringPanel(widgets.VBox):
                 widgets.HBox([self.layer, self.scale, self.norm_match]),
                 widgets.HBox([self.max_tokens, self.targets, self.button]),
                 widgets.HBox([self.plain_view, self.steered_view], layout={"width": "100%"}),
-                widgets.HBox([self.diff_header, self.measure, self.scale]),
+                widgets.HBox([self.diff_header, self.measure, self.diff_scale]),
                 self.diff,
             ]
         )

@@ -1129,7 +1129,7 @@ def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_butt
     ends before the Cancel lands is not in the test's hands, so that case tries again; with
     two prompts, the Cancel may land during either prompt's lens or between them."""
     prompt_box.fill("The capital of France is " * 32)
-    for _ in range(3):
+    for _ in range(6):
         # Resolved once Cancel is pressed: Run is disabled by then (the kernel disables it
         # before it enables Cancel), and enabled again only once the Run has ended.
         cancel = page.locator(".ek-run-cancel").element_handle()
@@ -1138,7 +1138,7 @@ def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_butt
         if "cancelled" in state()["message"]:
             break
     else:
-        raise AssertionError("three Runs ended before their Cancel landed")
+        raise AssertionError("six Runs ended before their Cancel landed")
     said = html.unescape(re.sub("<[^>]+>", "", state()["message"]))
     assert said in CANCELLED_RUN, said
     shows(page, said)

@@ -1065,6 +1065,18 @@ def test_cancel_stops_a_run_and_says_so(explorer, tiny2):
     assert not explorer.run_button.disabled and explorer.cancel_button.disabled
     explorer.prompt.value = PROMPT
     assert explorer.run() is not None and explorer.result.prompt == PROMPT
+    # A Cancel heard once the lens is done, while its thread still draws it (here a job
+    # that marks itself drawing and holds the thread), has nothing to stop and leaves the
+    # status as it is.
+    status = explorer.status.value
+    release = threading.Event()
+    explorer.work.submit(lambda: (explorer._drawing.set(), release.wait()))
+    while not explorer._drawing.is_set():
+        time.sleep(0.001)
+    assert explorer.cancel() is False and explorer.status.value == status
+    release.set()
+    assert explorer.work.wait(30)
+    explorer._drawing.clear()
 
 
 @pytest.mark.engine

@@ -102,6 +102,7 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         self._other_request = None
         self._pace = None
         self._cancelling = threading.Event()
+        self._drawing = threading.Event()
         super().__init__(
             _picker(source),
             prompt=source.prompt if readonly else prompt,

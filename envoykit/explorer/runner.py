@@ -90,11 +90,12 @@ class LensRuns(ExplorerState):
         """Stop the Run in flight (same as pressing Cancel): the ranks stop its lens before
         their next chunk of work (a second prompt's lens not begun does not start), the
         pins, drops and cell clicks waiting behind it are dropped, and the explorer says it
-        was cancelled. Whether a Run was in flight."""
+        was cancelled. Whether a Run's lens was in flight or about to start (a Cancel heard
+        while a finished lens is drawn has nothing to stop, and says nothing)."""
         self.work.drop_waiting()
         self.cells.drop_waiting()
         engine, run = self.engine, self.work.thread
-        if engine is None or run is None or not run.is_alive():
+        if engine is None or run is None or not run.is_alive() or self._drawing.is_set():
             return False
         self._cancelling.set()
         self.status.value = "<i>cancelling…</i>"
@@ -144,6 +145,7 @@ class LensRuns(ExplorerState):
                 try:
                     outcome = self._lenses(engine, request, picked, other)
                 finally:
+                    self._drawing.set()  # the lens is done: a Cancel now has nothing to stop
                     self._cancelling.clear()
             if isinstance(outcome, str):
                 self._refused(outcome)
@@ -164,6 +166,7 @@ class LensRuns(ExplorerState):
             return result
         finally:
             # A Cancel pressed while the result was drawn is for this Run, not the next.
+            self._drawing.clear()
             self._cancelling.clear()
             self.run_button.disabled, self.cancel_button.disabled = False, True
             self.run_button.description = "Run"

@@ -57,6 +57,7 @@ class ExplorerState:
     cells: Background
     _pace: float | None  # seconds per row x position of the last Run
     _cancelling: threading.Event  # Cancel was pressed during the Run in flight
+    _drawing: threading.Event  # a Run's lens is done and being drawn: nothing to cancel
     trajectory_figure: Any  # a matplotlib Figure, or None
     trajectory_targets: list[str]
 

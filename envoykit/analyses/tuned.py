@@ -97,8 +97,8 @@ class TunedLens:
 
         Stops after ``steps`` optimizer steps of ``batch_tokens`` tokens, or after one pass
         over the texts if no budget is given, or within ``max_seconds`` (counted from the
-        call): the first step then takes one piece of text (128 tokens at most) to learn the
-        pace, and each later step as much of its batch as the time left holds at that pace,
+        call): the held-out set is then cut to what a tenth of the budget measures, the first
+        step takes one piece of text (128 tokens at most) to learn the pace, and each later step as much of its batch as the time left holds at that pace,
         keeping the time of the final held-out measurement; training ends when no piece
         fits. ``model["step_tokens"]`` records each step's tokens. ``stop`` (anything with
         ``is_set()``, such as a ``threading.Event`` a Cancel button sets from another

@@ -5,7 +5,7 @@ translators best on held-out text.
 Apart from `envoykit.analyses.tuned` (the `TunedLens` class and its files) because this is
 the one part that runs an optimizer; what it reads of the engine and how texts become
 batches is `envoykit.analyses.tuned_data`, and how translators are measured is
-`held_out_quality`. `TunedLens.train` calls `train_translators`.
+`_HeldOut`. `TunedLens.train` calls `train_translators`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 # Optimizer steps between two measurements on the held-out texts.
 VALIDATE_EVERY = 5
+# With a time budget, the share of it the first held-out measurement may take, which sizes
+# the held-out set: the final measurement costs as much, and the rest is the training's.
+MEASURING_SHARE = 0.1
+# Held-out tokens measured at a time: the unit the budget trims the held-out set by.
+_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -58,18 +63,18 @@ def train_translators(
 ) -> Trained:
     """The translators of `TunedLens.train` (which has the arguments), best on the held-out
     share of ``texts``."""
+    clock = _Clock(time.monotonic(), max_seconds, stop)
     _check(max_seconds, steps, batch_tokens, validation)
     batches, held_out = batches_of(engine.tokenizer, texts, batch_tokens, seed, validation)
     info = engine.info
     torch.manual_seed(seed)
     head = gather_head(engine)
-    checking = layer_streams(engine, held_out)
-    translators = _Translators(head, checking, info.n_layers, info.d_model, lr, weight_decay)
-    clock = _Clock(time.monotonic(), max_seconds, stop)
+    checking = _HeldOut(head, layer_streams(engine, held_out))
     # Zero translators (the logit lens) are the first candidate: training that never
-    # beats them on held-out text, or is stopped first, returns them. Measured whole (the
-    # one measurement the stop does not cut short) and timed: each costs the same.
-    translators.validate(clock, stoppable=False)
+    # beats them on held-out text, or is stopped first, returns them. Their measurement
+    # also sizes the held-out set to the budget and times a measurement.
+    checking.measure_logit_lens(clock)
+    translators = _Translators(checking, info.n_layers, info.d_model, lr, weight_decay)
     total = steps or (None if max_seconds else len(batches))
     sizes = _optimise(engine, batches, translators, total, clock, progress)
     translators.validate(clock)
@@ -122,33 +127,112 @@ def _check(
 class _Translators:
     """The translators being trained, every layer's at once (``A`` stacked as ``weight``,
     ``b`` as ``bias``, both starting at zero), their optimizer, and the best so far on the
-    held-out streams ``checking`` (`_keep_best`)."""
+    held-out set ``checking``: ``(score, (A, b), LensQuality)``, the zero translators
+    first."""
 
     def __init__(
-        self, head: Head, checking: torch.Tensor, n: int, d: int, lr: float, weight_decay: float
+        self, checking: _HeldOut, n: int, d: int, lr: float, weight_decay: float
     ) -> None:
-        self.head, self.checking = head, checking
+        self.checking = checking
         self.weight = torch.zeros(n, d, d, requires_grad=True)
         self.bias = torch.zeros(n, d, requires_grad=True)
         self.optimizer = torch.optim.AdamW(
             [self.weight, self.bias], lr=lr, weight_decay=weight_decay
         )
-        self.best: tuple[float, Any, LensQuality | None] = (math.inf, None, None)
+        zero = checking.logit_lens_quality()
+        self.best: tuple[float, Any, LensQuality] = (
+            float(zero.tuned_kl.mean()),
+            (self.weight.detach().clone(), self.bias.detach().clone()),
+            zero,
+        )
 
     def step(self, engine: EngineBase, pieces: list[tuple[str, int]], clock: _Clock) -> bool:
         """One optimizer step on ``pieces`` (`_step`); False, and no step, once the stop is
         set."""
-        return _step(engine, self.head, pieces, self.weight, self.bias, self.optimizer, clock)
+        head = self.checking.head
+        return _step(engine, head, pieces, self.weight, self.bias, self.optimizer, clock)
 
-    def validate(self, clock: _Clock, *, stoppable: bool = True) -> None:
-        """Keep the current translators if they are the best on the held-out streams yet
-        (and time the measurement); nothing once the stop is set, if ``stoppable``."""
+    def validate(self, clock: _Clock) -> None:
+        """Keep the current translators if they are the best on the held-out set yet;
+        nothing once the stop is set."""
+        quality = self.checking.quality(self.weight, self.bias, clock.stopped)
+        if quality is not None and float(quality.tuned_kl.mean()) < self.best[0]:
+            weights = (self.weight.detach().clone(), self.bias.detach().clone())
+            self.best = float(quality.tuned_kl.mean()), weights, quality
+
+
+class _HeldOut:
+    """The held-out streams ``[n_layers + 1, T, d]`` in chunks of `_CHUNK` tokens, and the
+    logit lens's KL on each chunk: measured once, as it never changes, and as the zero
+    translators' measurement (which costs what any later one costs: one KL per layer and
+    token)."""
+
+    def __init__(self, head: Head, streams: torch.Tensor) -> None:
+        self.head = head
+        self.chunks = list(streams.split(_CHUNK, dim=1))
+        self.logit = np.zeros(streams.shape[0] - 1)  # summed over the measured chunks' tokens
+
+    def measure_logit_lens(self, clock: _Clock) -> None:
+        """The logit lens's KL on the chunks in turn, the first whole; with a time budget,
+        only as many as `MEASURING_SHARE` of it holds, and only until the stop: the chunks
+        not reached leave the held-out set. Times the measurement for the clock."""
         began = time.monotonic()
-        stopped = clock.stopped if stoppable else lambda: False
-        best = _keep_best(self.best, self.head, self.checking, self.weight, self.bias, stopped)
-        if best is not None:
-            self.best = best
-            clock.measuring = time.monotonic() - began
+        share = math.inf if clock.max_seconds is None else MEASURING_SHARE * clock.max_seconds
+        measured = 0
+        for chunk in self.chunks:
+            if measured and (clock.stopped() or time.monotonic() - began > share):
+                break
+            sums = _kl_sums(self.head, chunk, lambda h, _: h, lambda: False)
+            assert sums is not None  # a stop that is never set
+            self.logit += sums
+            measured += 1
+        self.chunks = self.chunks[:measured]
+        clock.measuring = time.monotonic() - began
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(chunk.shape[1]) for chunk in self.chunks)
+
+    def logit_lens_quality(self) -> LensQuality:
+        """The zero translators' `LensQuality`: the logit lens's on both sides."""
+        logit = self.logit / self.tokens
+        return LensQuality(np.arange(len(logit)), logit, logit.copy(), self.tokens)
+
+    @torch.no_grad()
+    def quality(
+        self, weight: torch.Tensor, bias: torch.Tensor, stopped: Callable[[], bool]
+    ) -> LensQuality | None:
+        """`LensQuality` of translators ``(weight, bias)`` on the held-out set: per layer,
+        the mean KL(final || lens) of the logit lens and of the tuned lens; None once
+        ``stopped()``, asked before each layer."""
+        tuned = np.zeros_like(self.logit)
+        for chunk in self.chunks:
+            sums = _kl_sums(self.head, chunk, lambda h, i: h + h @ weight[i].T + bias[i], stopped)
+            if sums is None:
+                return None
+            tuned += sums
+        logit = self.logit / self.tokens
+        return LensQuality(np.arange(len(logit)), logit, tuned / self.tokens, self.tokens)
+
+
+@torch.no_grad()
+def _kl_sums(
+    head: Head,
+    streams: torch.Tensor,
+    translate: Callable[[torch.Tensor, int], torch.Tensor],
+    stopped: Callable[[], bool],
+) -> np.ndarray | None:
+    """Per layer, KL(final || lens of ``translate(h, layer)``) summed over the tokens of
+    ``streams`` ``[n_layers + 1, T, d]``; None once ``stopped()``, asked before each layer."""
+    final = head.log_probs(streams[-1])
+    final_probs = final.exp()
+    sums = []
+    for layer in range(streams.shape[0] - 1):
+        if stopped():
+            return None
+        lens = head.log_probs(translate(streams[layer], layer))
+        sums.append(float((final_probs * (final - lens)).sum(-1).sum()))
+    return np.array(sums)
 
 
 def _optimise(
@@ -237,51 +321,3 @@ def _step(
             (kl * (n / tokens / layers)).backward()
     optimizer.step()
     return True
-
-
-def _keep_best(
-    best: tuple[float, Any, LensQuality | None],
-    head: Head,
-    streams: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    stopped: Callable[[], bool],
-) -> tuple[float, Any, LensQuality | None] | None:
-    """``best`` or the current translators, whichever is closer to the final distribution
-    on the held-out streams (mean KL over layers): ``(score, (A, b), their LensQuality)``;
-    None if ``stopped()`` before the measurement ended."""
-    quality = held_out_quality(head, streams, weight, bias, stopped)
-    if quality is None:
-        return None
-    score = float(quality.tuned_kl.mean())
-    if score < best[0]:
-        return score, (weight.detach().clone(), bias.detach().clone()), quality
-    return best
-
-
-@torch.no_grad()
-def held_out_quality(
-    head: Head,
-    streams: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    stopped: Callable[[], bool] = lambda: False,
-) -> LensQuality | None:
-    """`LensQuality` of translators on held-out ``streams`` ``[n_layers + 1, T, d]``: per
-    layer, the mean KL(final || lens) of the logit lens and of the tuned lens; None once
-    ``stopped()``, asked before each layer."""
-    final = head.log_probs(streams[-1])
-    final_probs = final.exp()
-    n = streams.shape[0] - 1
-
-    def kl(x: torch.Tensor) -> float:
-        return float((final_probs * (final - head.log_probs(x))).sum(-1).mean())
-
-    logit, tuned = [], []
-    for layer in range(n):
-        if stopped():
-            return None
-        h = streams[layer]
-        logit.append(kl(h))
-        tuned.append(kl(h + h @ weight[layer].T + bias[layer]))
-    return LensQuality(np.arange(n), np.array(logit), np.array(tuned), int(streams.shape[1]))

@@ -896,6 +896,9 @@ def test_compare_mode_lenses_both_prompts_and_draws_their_diff(comparing, tiny2)
 @pytest.mark.engine
 def test_a_drop_draws_the_patched_lens_and_its_diff(comparing, tiny2):
     res = comparing.run()
+    clean = comparing.current  # the run shown: one frozen value, replaced whole
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        clean.result = None  # type: ignore[misc]
     paris = int(res.target_ids[0])
     # Row "2" of the second prompt at ' I' (position 3), dropped on the first heatmap's top
     # row at position 3: the patch is layer 2's stream, whatever row it was dropped on.
@@ -903,7 +906,11 @@ def test_a_drop_draws_the_patched_lens_and_its_diff(comparing, tiny2):
     assert comparing.wait(60)
     assert comparing.heatmap.drop is None  # handled, ready for the next drop
     patch = ek.Patch(OTHER, 2, source_position=3, target_position=3, site="resid")
-    assert comparing.patch == patch
+    assert comparing.patch == patch == comparing.current.patch
+    assert clean.patch is None and clean.result is res  # the clean run is as it was
+    # The second prompt's lens is the clean run's (its request is unchanged), not lensed again.
+    assert comparing.current.other_result is clean.other_result
+    assert comparing.current.rows == clean.rows and "patched" in comparing.current.label
     patched = comparing.result
     assert [dict(p) for p in patched.meta["patches"]] == [dataclasses.asdict(patch)]
     expected = tiny2.lens(

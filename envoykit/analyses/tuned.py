@@ -98,18 +98,20 @@ class TunedLens:
         Stops after ``steps`` optimizer steps of ``batch_tokens`` tokens, or after one pass
         over the texts if no budget is given, or within ``max_seconds`` (counted from the
         call): the held-out set is then cut to what a tenth of the budget measures, the first
-        step takes one piece of text (128 tokens at most) to learn the pace, and each later step as much of its batch as the time left holds at that pace,
-        keeping the time of the final held-out measurement; training ends when no piece
-        fits. ``model["step_tokens"]`` records each step's tokens. ``stop`` (anything with
+        step takes one piece of text (128 tokens at most) to learn the pace, and each later
+        step as much of its batch as the time left holds at that pace, keeping the time of
+        the final held-out measurement; training ends when no piece fits.
+        ``model["step_tokens"]`` records each step's tokens. ``stop`` (anything with
         ``is_set()``, such as a ``threading.Event`` a Cancel button sets from another
-        thread) is looked at before each piece of text and each layer's backward, so it acts
-        within one of them: the step in flight is dropped, and the best translators so far
-        are returned (the logit lens's zero translators if none beat them), with
-        ``model["stopped"]`` saying so. Deterministic given ``seed`` and ``steps``. The
-        result's ``quality`` is its `LensQuality` on the held-out texts; a warning says so
-        when it beats the logit lens at fewer than half of the layers (``warn=False``: the
-        caller says it, as the explorer's training panel does in its header, since a
-        warning from a thread lands under whichever cell ran last).
+        thread) is looked at before each piece of text, each layer's backward and each layer
+        of a held-out measurement, so it acts within one of them: the step in flight is
+        dropped, and the best translators so far are returned (the logit lens's zero
+        translators if none beat them), with ``model["stopped"]`` saying so. Deterministic
+        given ``seed`` and ``steps``. The result's ``quality`` is its `LensQuality` on the
+        held-out texts; a warning says so when it beats the logit lens at fewer than half of
+        the layers (``warn=False``: the caller says it, as the explorer's training panel
+        does in its header, since a warning from a thread lands under whichever cell ran
+        last).
         """
         run = train_translators(
             engine,

@@ -130,9 +130,7 @@ class _Translators:
     held-out set ``checking``: ``(score, (A, b), LensQuality)``, the zero translators
     first."""
 
-    def __init__(
-        self, checking: _HeldOut, n: int, d: int, lr: float, weight_decay: float
-    ) -> None:
+    def __init__(self, checking: _HeldOut, n: int, d: int, lr: float, weight_decay: float) -> None:
         self.checking = checking
         self.weight = torch.zeros(n, d, d, requires_grad=True)
         self.bias = torch.zeros(n, d, requires_grad=True)

@@ -39,7 +39,7 @@ class CompareMode(ExplorerState):
     @property
     def patch(self) -> Patch | None:
         """The patch the lens shown was run with (a drop in compare mode), or None."""
-        return None if self._request is None else self._request.get("patch")
+        return None if self.current is None else self.current.patch
 
     @property
     def sweep(self) -> SweepResult | None:
@@ -60,16 +60,17 @@ class CompareMode(ExplorerState):
         the same row of the first run, at the target column's position; the target's row
         is not used. Returns the patched lens, or None when refused (the reason is shown).
         """
-        if self.engine is None or self.result is None or self.other_result is None:
+        run = self.current
+        if self.engine is None or run is None or run.other_result is None:
             self._say("patching needs compare mode: tick it, type a second prompt, Run", True)
             return None
         try:
-            patch = drop_patch(self.other_result, source, self.result, target)
+            patch = drop_patch(run.other_result, source, run.result, target)
         except InvalidRequest as err:
             self._say(str(err), True)
             return None
-        assert self._request is not None  # set with the result by the Run that lensed it
-        return self._lens({**self._request, "patch": patch}, self._rows, self._other)
+        assert run.request is not None  # a run with an engine answers a request
+        return self._lens({**run.request, "patch": patch}, list(run.rows), run.other)
 
     def run_sweep(self) -> SweepResult | None:
         """Patch the second prompt's residual stream into the first at every picked layer
@@ -77,7 +78,8 @@ class CompareMode(ExplorerState):
         token picked in the sweep panel (the first target until another is picked).
         Returns the `SweepResult`, or None when refused (the reason is shown)."""
         panel = self.sweep_panel
-        if self.engine is None or self.result is None or self._other is None:
+        run = self.current
+        if self.engine is None or run is None or run.other is None:
             panel.say(
                 "Run in compare mode first: the sweep patches the second prompt into the first",
                 error=True,
@@ -89,11 +91,8 @@ class CompareMode(ExplorerState):
                 "type a target, or pin a token: the sweep measures its probability", error=True
             )
             return None
-        layers = sorted(set(self.result.layers.tolist()))
-        assert self._request is not None  # set with the second prompt by the Run that lensed it
-        return panel.run(
-            self.engine, self._other, self._request["prompt"], layers=layers, target_token=target
-        )
+        layers = sorted(set(run.result.layers.tolist()))
+        return panel.run(self.engine, run.other, run.prompt, layers=layers, target_token=target)
 
     def _on_compare(self, change: Any = None) -> None:
         """The second prompt's box and the Compare tab follow the tick (a tick by the
@@ -112,11 +111,11 @@ class CompareMode(ExplorerState):
         if drop is None:
             return
         self.heatmap.drop = None  # an event: the same drop made again is seen again
-        dropped_on = (self.result, self.other_result)
+        dropped_on = self.current
 
         def patch() -> None:
             # The cells name rows and columns of the heatmaps the drop was made on.
-            if (self.result, self.other_result) != dropped_on:
+            if self.current is not dropped_on:
                 self._say("the heatmaps changed before the drop was applied: drop again", True)
                 return
             self.patch_cell(drop["source"], drop["target"])
@@ -147,23 +146,22 @@ class CompareMode(ExplorerState):
     def _show_comparison(self) -> None:
         """The second prompt's heatmap and the diff: the two prompts, or, with a patch, the
         first prompt's run against its patched run (each picked layer's stream)."""
-        panel = self.compare_panel
-        if self.other_result is None:
+        panel, run = self.compare_panel, self.current
+        if run is None or run.other_result is None:
             panel.clear()
             return
         # The second prompt's lens comes from a Run on the engine, with the first's.
-        assert self.engine is not None and self.result is not None and self._other is not None
-        assert self._request is not None
-        panel.show_source(self.other_result)
+        assert self.engine is not None and run.other is not None
+        panel.show_source(run.other_result)
         panel.source.metric = self.heatmap.metric
         panel.source.pinned = list(self.heatmap.pinned)
-        prompt, patch = self._request["prompt"], self.patch
-        layers = sorted(set(self.result.layers.tolist()))
-        targets = self.result.target_ids.tolist()
+        prompt, patch = run.prompt, run.patch
+        layers = sorted(set(run.result.layers.tolist()))
+        targets = run.result.target_ids.tolist()
         try:
             if patch is None:
                 res = self.engine.lens(
-                    [prompt, self._other], compare=True, layers=layers, targets=targets
+                    [prompt, run.other], compare=True, layers=layers, targets=targets
                 )
                 names, about = ("first", "second"), "the first prompt → the second"
             else:

@@ -42,6 +42,7 @@ from envoykit.explorer.cell_panels import CellPanels
 from envoykit.explorer.compare_mode import CompareMode
 from envoykit.explorer.compare_panel import describe_patch, patched_cell
 from envoykit.explorer.corpus_panel import CorpusPanel
+from envoykit.explorer.current_run import CurrentRun
 from envoykit.explorer.features_panel import FeaturesPanel
 from envoykit.explorer.layout import ExplorerLayout, typed_targets
 from envoykit.explorer.outputs import ERROR, WARNING, message_html
@@ -92,14 +93,9 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         readonly = isinstance(source, LensResult)
         self.engine = None if readonly else source
         # The state the parts share, declared (with what each holds) in `ExplorerState`.
-        self.result = source if readonly else None
-        self.other_result = None
+        self.current = CurrentRun(source) if readonly else None
         self.trajectory_figure = None
         self.trajectory_targets = []
-        self._request = None
-        self._rows = []
-        self._other = None
-        self._other_request = None
         self._pace = None
         self._cancelling = threading.Event()
         self._drawing = threading.Event()
@@ -193,6 +189,16 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         panel.prompt.layout.display = "none"
         self.add_panel("Features", panel)
         return panel
+
+    @property
+    def result(self) -> LensResult | None:
+        """The lens shown (the first prompt's), or None before the first Run."""
+        return None if self.current is None else self.current.result
+
+    @property
+    def other_result(self) -> LensResult | None:
+        """The second prompt's lens shown in compare mode, or None."""
+        return None if self.current is None else self.current.other_result
 
     def set_translator(self, translator: TunedLens) -> None:
         """Offer the tuned lens of ``translator`` beside the logit lens (the lens selector

@@ -48,19 +48,20 @@ class Pins(ExplorerState):
     def _pins_need_a_lens(self) -> bool:
         """Whether the lens shown lacks a pinned token, or measured one no longer pinned
         (a pin is added to the lens's targets as an id, not as a typed target)."""
-        if self.result is None or self._request is None:
+        run = self.current
+        if run is None or run.request is None:
             return False
         pinned = set(self.heatmap.pinned)
-        asked = {t for t in self._request["targets"] if not isinstance(t, str)}
-        return bool(pinned - set(self.result.target_ids.tolist()) or asked - pinned)
+        asked = {t for t in run.request["targets"] if not isinstance(t, str)}
+        return bool(pinned - set(run.result.target_ids.tolist()) or asked - pinned)
 
     def _follow_pins(self) -> None:
         """The lens shown again with the pins as they are now (on the lens's thread)."""
-        asked = self._request
-        if asked is not None and self._pins_need_a_lens():
-            typed = [t for t in asked["targets"] if isinstance(t, str)]
-            request = {**asked, "targets": self._targets_with_pins(typed)}
-            self._lens(request, self._rows, self._other)
+        run = self.current
+        if run is not None and run.request is not None and self._pins_need_a_lens():
+            typed = [t for t in run.request["targets"] if isinstance(t, str)]
+            request = {**run.request, "targets": self._targets_with_pins(typed)}
+            self._lens(request, list(run.rows), run.other)
         elif self.result is not None:
             self._show_pins()
             self._draw_trajectory()

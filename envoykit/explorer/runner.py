@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from envoykit.analyses.request import Row, token_ids
 from envoykit.errors import Cancelled
 from envoykit.explorer import rows
+from envoykit.explorer.current_run import CurrentRun
 from envoykit.explorer.layout import typed_targets
 from envoykit.explorer.outputs import ENGINE_ERRORS
 from envoykit.explorer.state import ExplorerState
@@ -153,9 +154,9 @@ class LensRuns(ExplorerState):
             took = time.monotonic() - began
             self._pace = took / cells
             result, other_result, other_request = outcome
-            self._request, self._rows, self._other = request, picked, other
-            self._other_request = other_request
-            self.result, self.other_result = result, other_result
+            self.current = CurrentRun(
+                result, request, tuple(picked), other, other_request, other_result
+            )
             self.heatmap.stale = False
             self.status.value = html.escape(
                 f"{result.run_label}: {len(result.layers)} rows × {len(result.positions)} "
@@ -192,8 +193,8 @@ class LensRuns(ExplorerState):
         other_request = _other_request(request, other)
         other_result = None
         if other_request is not None:
-            if other_request == self._other_request:
-                other_result = self.other_result
+            if self.current is not None and other_request == self.current.other_request:
+                other_result = self.current.other_result
             elif self._cancelling.is_set():
                 return "cancelled before the second prompt's lens"
             else:

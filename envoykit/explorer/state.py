@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from envoykit.explorer.attention_panel import AttentionPanel
     from envoykit.explorer.attribution_panel import AttributionPanel
     from envoykit.explorer.compare_panel import ComparePanel
+    from envoykit.explorer.current_run import CurrentRun
     from envoykit.explorer.sweep_panel import SweepPanel
     from envoykit.explorer.views import Heatmap, LayerPicker
     from envoykit.explorer.work import Background
@@ -43,15 +44,9 @@ class ExplorerState:
     # Set by the controller. None with a stored result (read-only).
     engine: EngineSurface | None
     translator: TunedLens | None
-    # What is shown, replaced at once by each lens (`LensRuns._lens`): the first prompt's
-    # lens, the request it answers and the rows it keeps; the second prompt, its lens and
-    # its request (None without compare mode).
-    result: LensResult | None
-    _request: dict[str, Any] | None
-    _rows: list[Row]
-    _other: str | None
-    other_result: LensResult | None
-    _other_request: dict[str, Any] | None
+    # The lens shown with all it answers, replaced whole by each lens (`LensRuns._lens`);
+    # None before the first.
+    current: CurrentRun | None
     # The threads the engine's work runs on: lenses, and a cell's attribution and attention.
     work: Background
     cells: Background
@@ -88,6 +83,12 @@ class ExplorerState:
         def _say(self, text: str, error: bool = False, details: str = "") -> None: ...
 
         def _shown(self) -> LensResult | None: ...
+
+        @property
+        def result(self) -> LensResult | None: ...
+
+        @property
+        def other_result(self) -> LensResult | None: ...
 
         def _show(self) -> None: ...
 

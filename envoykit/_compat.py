@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, TypeAlias
@@ -88,6 +89,13 @@ PRIVATE = (
     Private("torch._C", "_dispatch_has_kernel_for_dispatch_key", "meta kernels for MoE"),
     Private("torch.library:Library", "_destroy", "meta kernels for MoE, removed after"),
     Private("torch._library", "triton", "quiet logs: its logger goes to the engine's file"),
+    # ipykernel: the handler it restores between messages (set while it handles one).
+    Private(
+        "ipykernel.kernelbase:Kernel",
+        "saved_sigint_handler",
+        "the kernel's stop button stops the explorer's background work",
+        instance=True,
+    ),
     # CPython.
     Private("multiprocessing.forkserver", "_forkserver", "the fork server's lifetime"),
     Private(FORK_SERVER, "_forkserver_pid", "the fork server's lifetime", instance=True),
@@ -262,3 +270,44 @@ def close_forkserver_alive_fd() -> None:
     forkserver_state: Any = forkserver._forkserver  # private: typeshed leaves it out
     os.close(forkserver_state._forkserver_alive_fd)
     forkserver_state._forkserver_alive_fd = None
+
+
+# --- ipykernel --------------------------------------------------------------------------
+
+
+def hear_idle_interrupts(handler: Callable[[], bool]) -> bool:
+    """Call ``handler()`` on a SIGINT that reaches the IPython kernel while no cell runs (the
+    stop button while a button's work runs on a thread); where it returns False, the
+    kernel's own handler acts. Whether it is installed: not outside an IPython kernel, nor
+    from another thread than the main one (signal handlers belong to it).
+
+    ipykernel 7.4 ignores SIGINT between messages (``IPKernelApp.init_signal`` sets
+    ``SIG_IGN``), and around each message it handles (a cell, a click) saves the handler in
+    ``kernel.saved_sigint_handler``, sets `signal.default_int_handler` and restores the
+    saved one after: while a message is handled, the saved one is the idle handler to
+    replace. Once installed for ``handler``, later calls change nothing."""
+    import signal
+    import threading
+
+    from IPython import get_ipython
+
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None or threading.current_thread() is not threading.main_thread():
+        return False
+    handling = signal.getsignal(signal.SIGINT) is signal.default_int_handler and hasattr(
+        kernel, "saved_sigint_handler"
+    )
+    idle = kernel.saved_sigint_handler if handling else signal.getsignal(signal.SIGINT)
+    if getattr(idle, "envoykit_handler", None) is handler:
+        return True
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if not handler() and callable(idle):
+            idle(signum, frame)
+
+    on_sigint.envoykit_handler = handler  # type: ignore[attr-defined]
+    if handling:
+        kernel.saved_sigint_handler = on_sigint
+    else:
+        signal.signal(signal.SIGINT, on_sigint)
+    return True

@@ -1197,7 +1197,7 @@ def test_training_panel_offers_the_tuned_lens_and_cancel_keeps_the_best_so_far(e
     assert panel.wait(120) and time.monotonic() - began < 120
     assert panel.tuned is not tuned and panel.tuned.model["stopped"]
     assert explorer.translator is panel.tuned
-    assert "stopped by Cancel after" in panel.header.value and "Traceback" not in panel.header.value
+    assert "cancelled after" in panel.header.value and "Traceback" not in panel.header.value
     assert not panel.button.disabled and panel.cancel_button.disabled
 
 

@@ -37,13 +37,14 @@ from envoykit.analyses.request import describe_target
 from envoykit.analyses.sae import SAE
 from envoykit.analyses.tuned import TunedLens
 from envoykit.errors import InvalidRequest
-from envoykit.explorer import export, rows
+from envoykit.explorer import export, interrupt, rows
 from envoykit.explorer.cell_panels import CellPanels
 from envoykit.explorer.compare_mode import CompareMode
 from envoykit.explorer.compare_panel import describe_patch, patched_cell
 from envoykit.explorer.corpus_panel import CorpusPanel
 from envoykit.explorer.current_run import CurrentRun
 from envoykit.explorer.features_panel import FeaturesPanel
+from envoykit.explorer.interrupt import StopFlag
 from envoykit.explorer.layout import ExplorerLayout, typed_targets
 from envoykit.explorer.outputs import ERROR, WARNING, message_html
 from envoykit.explorer.payload import heatmap_data, picker_layers, result_layers
@@ -97,7 +98,7 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         self.trajectory_figure = None
         self.trajectory_targets = []
         self._pace = None
-        self._cancelling = threading.Event()
+        self._cancelling = StopFlag()
         self._drawing = threading.Event()
         super().__init__(
             _picker(source),
@@ -112,6 +113,8 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         if translator is not None:
             self.set_translator(translator)
         self._connect()
+        if not readonly:
+            interrupt.listen(self)
         self.steering_panel = None if readonly else self._add_steering_panel()
         self.corpus_panel = None if readonly else self._add_corpus_panel()
         self.training_panel = None if readonly else self._add_training_panel()

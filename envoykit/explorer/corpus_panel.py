@@ -12,7 +12,6 @@ Every text it shows passes through ``html.escape``.
 from __future__ import annotations
 
 import html
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +21,8 @@ import ipywidgets as widgets
 from envoykit import plot
 from envoykit.analyses.corpus import shipped_corpus
 from envoykit.analyses.request import token_ids
+from envoykit.explorer import interrupt
+from envoykit.explorer.interrupt import StopFlag
 from envoykit.explorer.outputs import ENGINE_ERRORS, figure_output, message_html
 from envoykit.explorer.work import Background
 from envoykit.results.corpus import CorpusLensResult
@@ -83,8 +84,9 @@ class CorpusPanel(widgets.VBox):
         )
         self.button = widgets.Button(description="Run corpus", icon="play")
         self.cancel_button = widgets.Button(description="Cancel", icon="stop", disabled=True)
-        self._cancel = threading.Event()
+        self._cancel = StopFlag()
         self.cancel_button.on_click(lambda _: self._cancel.set())
+        interrupt.listen(self)
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="tokens", layout={"width": "320px"}
         )
@@ -118,6 +120,14 @@ class CorpusPanel(widgets.VBox):
     def wait(self, timeout: float | None = None) -> bool:
         return self.work.wait(timeout)
 
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): stop the work in flight
+        as Cancel does; whether there was any."""
+        if not self.work.busy:
+            return False
+        self._cancel.set(interrupt=True)
+        return True
+
     def run(self) -> CorpusLensResult | None:
         """Lens the documents shown; the result, or None when refused or cancelled (the
         reason is shown)."""
@@ -145,8 +155,8 @@ class CorpusPanel(widgets.VBox):
             ]
         except Cancelled:
             self.say(
-                f"cancelled after {self.progress.value} of {self.progress.max} tokens; the "
-                "engine is free",
+                f"{self._cancel.word} after {self.progress.value} of {self.progress.max} "
+                "tokens; the engine is free",
                 error=True,
             )
             return None

@@ -25,6 +25,7 @@ from envoykit.analyses.request import Row, token_ids
 from envoykit.errors import Cancelled
 from envoykit.explorer import rows
 from envoykit.explorer.current_run import CurrentRun
+from envoykit.explorer.interrupt import StopFlag
 from envoykit.explorer.layout import typed_targets
 from envoykit.explorer.outputs import ENGINE_ERRORS
 from envoykit.explorer.state import ExplorerState
@@ -93,13 +94,22 @@ class LensRuns(ExplorerState):
         pins, drops and cell clicks waiting behind it are dropped, and the explorer says it
         was cancelled. Whether a Run's lens was in flight or about to start (a Cancel heard
         while a finished lens is drawn has nothing to stop, and says nothing)."""
+        return self._stop_run(by_interrupt=False)
+
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): `cancel`, said as
+        "interrupted"."""
+        return self._stop_run(by_interrupt=True)
+
+    def _stop_run(self, *, by_interrupt: bool) -> bool:
+        """`cancel`, by the Cancel button or by a kernel interrupt."""
         self.work.drop_waiting()
         self.cells.drop_waiting()
         engine, run = self.engine, self.work.thread
         if engine is None or run is None or not run.is_alive() or self._drawing.is_set():
             return False
-        self._cancelling.set()
-        self.status.value = "<i>cancelling…</i>"
+        self._cancelling.set(interrupt=by_interrupt)
+        self.status.value = f"<i>{_doing(self._cancelling)}…</i>"
 
         # A Cancel heard before the lens is on the ranks (while its request is checked and
         # tokenized) waits for it: `engine.cancel` stops only a lens in flight. It stops
@@ -128,7 +138,7 @@ class LensRuns(ExplorerState):
 
         def say(elapsed: float) -> None:
             if self._cancelling.is_set():
-                self.status.value = "<i>cancelling…</i>"
+                self.status.value = f"<i>{_doing(self._cancelling)}…</i>"
                 return
             left = ""
             if expected is not None:
@@ -185,7 +195,7 @@ class LensRuns(ExplorerState):
         try:
             result = rows.keep(engine.lens(**request), picked)
         except Cancelled:
-            return "cancelled: the lens was stopped on the ranks"
+            return f"{self._cancelling.word}: the lens was stopped on the ranks"
         except ENGINE_ERRORS as err:
             return str(err)
         if result is None:
@@ -196,12 +206,13 @@ class LensRuns(ExplorerState):
             if self.current is not None and other_request == self.current.other_request:
                 other_result = self.current.other_result
             elif self._cancelling.is_set():
-                return "cancelled before the second prompt's lens"
+                return f"{self._cancelling.word} before the second prompt's lens"
             else:
                 try:
                     other_result = rows.keep(engine.lens(**other_request), picked)
                 except Cancelled:
-                    return "cancelled: the second prompt's lens was stopped on the ranks"
+                    word = self._cancelling.word
+                    return f"{word}: the second prompt's lens was stopped on the ranks"
                 except ENGINE_ERRORS as err:
                     return f"second prompt: {err}"
         return result, other_result, other_request
@@ -219,6 +230,11 @@ class LensRuns(ExplorerState):
 
     def _second_prompt(self) -> str | None:
         return self.other_prompt.value if self.compare.value else None
+
+
+def _doing(stop: StopFlag) -> str:
+    """What the status line says while ``stop`` acts."""
+    return "interrupting" if stop.by_interrupt else "cancelling"
 
 
 def _other_request(request: dict[str, Any], other: str | None) -> dict[str, Any] | None:

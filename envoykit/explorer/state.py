@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from envoykit.explorer.attribution_panel import AttributionPanel
     from envoykit.explorer.compare_panel import ComparePanel
     from envoykit.explorer.current_run import CurrentRun
+    from envoykit.explorer.interrupt import StopFlag
     from envoykit.explorer.sweep_panel import SweepPanel
     from envoykit.explorer.views import Heatmap, LayerPicker
     from envoykit.explorer.work import Background
@@ -51,7 +52,7 @@ class ExplorerState:
     work: Background
     cells: Background
     _pace: float | None  # seconds per row x position of the last Run
-    _cancelling: threading.Event  # Cancel was pressed during the Run in flight
+    _cancelling: StopFlag  # Cancel (or a kernel interrupt) came during the Run in flight
     _drawing: threading.Event  # a Run's lens is done and being drawn: nothing to cancel
     trajectory_figure: Any  # a matplotlib Figure, or None
     trajectory_targets: list[str]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +27,8 @@ import ipywidgets as widgets
 import numpy as np
 
 from envoykit import plot
+from envoykit.explorer import interrupt
+from envoykit.explorer.interrupt import StopFlag
 from envoykit.explorer.outputs import ENGINE_ERRORS, figure_output, message_html
 from envoykit.explorer.target_choice import TargetChoice
 from envoykit.explorer.work import Background, Ticker, duration, time_left
@@ -66,8 +67,9 @@ class SweepPanel(widgets.VBox):
             disabled=True,
             tooltip="stop the sweep after the row in flight",
         )
-        self._cancel = threading.Event()
+        self._cancel = StopFlag()
         self.cancel_button.on_click(lambda _: self._cancel.set())
+        interrupt.listen(self)
         self.work = Background(
             "envoykit-sweep",
             lambda why, details: self.say(f"the sweep failed: {why}", error=True, details=details),
@@ -109,6 +111,14 @@ class SweepPanel(widgets.VBox):
         """Wait for a sweep `start` began; whether it has finished."""
         return self.work.wait(timeout)
 
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): stop the work in flight
+        as Cancel does; whether there was any."""
+        if not self.work.busy:
+            return False
+        self._cancel.set(interrupt=True)
+        return True
+
     def run(
         self, engine: Any, source: str, target: str, *, layers: Sequence[int], target_token: int
     ) -> SweepResult | None:
@@ -123,7 +133,7 @@ class SweepPanel(widgets.VBox):
             for layer in layers:
                 if self._cancel.is_set():
                     self.say(
-                        f"cancelled after {len(parts)} of {len(layers)} rows "
+                        f"{self._cancel.word} after {len(parts)} of {len(layers)} rows "
                         f"({duration(time.monotonic() - began)}); the engine is free",
                         error=True,
                     )

@@ -16,7 +16,6 @@ through ``html.escape``.
 from __future__ import annotations
 
 import html
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import ipywidgets as widgets
 
 from envoykit.analyses.tuned import TunedLens, offline_texts
+from envoykit.explorer import interrupt
+from envoykit.explorer.interrupt import StopFlag
 from envoykit.explorer.outputs import ENGINE_ERRORS, message_html
 from envoykit.explorer.work import Background, Ticker, duration
 
@@ -59,8 +60,9 @@ class TrainingPanel(widgets.VBox):
             disabled=True,
             tooltip="stop now, dropping the step in flight and keeping the best translators",
         )
-        self._stop = threading.Event()
+        self._stop = StopFlag()
         self.cancel_button.on_click(lambda _: self._stop.set())
+        interrupt.listen(self)
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="seconds", layout={"width": "320px"}
         )
@@ -83,6 +85,14 @@ class TrainingPanel(widgets.VBox):
     def wait(self, timeout: float | None = None) -> bool:
         return self.work.wait(timeout)
 
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): stop the work in flight
+        as Cancel does; whether there was any."""
+        if not self.work.busy:
+            return False
+        self._stop.set(interrupt=True)
+        return True
+
     def run(self) -> TunedLens | None:
         """Train within the seconds shown; the tuned lens, or None when refused (the reason
         is shown). A Cancel still returns the best translators so far."""
@@ -95,7 +105,8 @@ class TrainingPanel(widgets.VBox):
         def say(elapsed: float) -> None:
             self.progress.value = min(budget, round(elapsed))
             if self._stop.is_set():
-                self._head("cancelling: training stops within its piece of work in flight…")
+                doing = "interrupting" if self._stop.by_interrupt else "cancelling"
+                self._head(f"{doing}: training stops within its piece of work in flight…")
                 return
             left = max(0.0, budget - elapsed)
             self._head(f"training: {duration(elapsed)} so far, at most {duration(left)} left")
@@ -116,12 +127,13 @@ class TrainingPanel(widgets.VBox):
             return None
         finally:
             self.button.disabled, self.cancel_button.disabled = False, True
+            word = self._stop.word
             self._stop.clear()  # a Cancel is for the training it stopped
         self.progress.value = self.progress.max
         self.tuned = tuned
         self._on_trained(tuned)
         assert tuned.quality is not None  # `TunedLens.train` measures it on held-out text
-        self.say(describe(tuned, time.monotonic() - began), error=tuned.quality.better < 0.5)
+        self.say(describe(tuned, time.monotonic() - began, word), error=tuned.quality.better < 0.5)
         return tuned
 
     def say(self, text: str, *, error: bool = False, details: str = "") -> None:
@@ -133,14 +145,14 @@ class TrainingPanel(widgets.VBox):
         )
 
 
-def describe(tuned: TunedLens, took: float) -> str:
-    """What a training gave, in one line: steps, time, a Cancel, and where it beats the
-    logit lens on held-out text."""
+def describe(tuned: TunedLens, took: float, stopped_by: str = "cancelled") -> str:
+    """What a training gave, in one line: steps, time, a Cancel or an interrupt
+    (``stopped_by``), and where it beats the logit lens on held-out text."""
     quality = tuned.quality
     assert quality is not None  # `TunedLens.train` measures it on held-out text
     n = len(quality.layers)
     better = round(quality.better * n)
-    stopped = "stopped by Cancel after " if tuned.model.get("stopped") else ""
+    stopped = f"{stopped_by} after " if tuned.model.get("stopped") else ""
     return (
         f"{stopped}{tuned.model['steps']} steps in {duration(took)}: closer to the final "
         f"distribution than the logit lens at {better} of {n} layers on held-out text"

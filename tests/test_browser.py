@@ -927,7 +927,7 @@ def attribute_a_cell(page: Any, state: Callable[[], dict], label: str, target: i
     )
     page.wait_for_function(
         "label => document.querySelector('.ek-attribution')?.textContent.includes(label)",
-        arg=f"row {label} is shaded",
+        arg=f"row {label} shaded",
         timeout=30000,
     )
     panel = page.locator(".ek-attribution")
@@ -1151,13 +1151,43 @@ def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_butt
 
 
 # The computed colour of ``el``, and that of JupyterLab's warning colour on this page.
-COLOUR_AND_WARNING = """el => {
-    const probe = document.createElement('span');
-    probe.style.color = 'var(--jp-warn-color1)';
-    document.body.appendChild(probe);
-    const warning = getComputedStyle(probe).color;
-    probe.remove();
-    return [getComputedStyle(el).color, warning];
+# The text under ``root`` that reads at under 4.5:1 against what is behind it (WCAG's
+# contrast ratio, from the computed colours: the text's, and the first ancestor's opaque
+# background), as "tag.class: text colour on background = ratio". Disabled controls, a
+# dimmed stale heatmap and hidden tabs are left out, as WCAG leaves them out.
+LOW_CONTRAST = """root => {
+  const channels = c => {
+    const v = c.match(/[\\d.]+/g).map(Number);
+    return c.startsWith('color(srgb') ? v.map((x, i) => (i < 3 ? x * 255 : x)) : v;
+  };
+  const linear = v => (v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+  const luminance = c => {
+    const [r, g, b] = channels(c);
+    return 0.2126 * linear(r) + 0.7152 * linear(g) + 0.0722 * linear(b);
+  };
+  const opaque = c => (channels(c)[3] ?? 1) > 0.5;
+  const behind = el => {
+    for (let e = el; e; e = e.parentElement) {
+      const c = getComputedStyle(e).backgroundColor;
+      if (opaque(c)) return c;
+    }
+    return getComputedStyle(document.body).backgroundColor;
+  };
+  const low = [];
+  for (const el of root.querySelectorAll('*')) {
+    if (!el.offsetParent || el.closest(':disabled, .ek-stale, .lm-mod-hidden')) continue;
+    const text = [...el.childNodes].filter(n => n.nodeType === 3 && n.textContent.trim())
+      .map(n => n.textContent.trim()).join(' ');
+    if (!text) continue;
+    const fg = getComputedStyle(el).color, bg = behind(el);
+    const [a, b] = [luminance(fg), luminance(bg)];
+    const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+    if (ratio < 4.5) {
+      const what = `${el.tagName}.${el.className}: ${text.slice(0, 30)}`;
+      low.push(`${what} ${fg} on ${bg} = ${ratio.toFixed(2)}`);
+    }
+  }
+  return low;
 }"""
 
 
@@ -1167,15 +1197,17 @@ def several_tokens_and_a_trailing_comma(page: Any) -> None:
     adds no blank target; typed back, the flag goes."""
     box = page.get_by_placeholder("comma-separated, spaces kept")
     typed = box.input_value()
-    flags = page.locator("b", has_text="measure only")
+    flags = page.locator("b", has_text="is measured")
     before = flags.count()  # the tiny tokenizer splits ' Paris' and ' London' too
     box.fill(typed + ", New York,")
     wait_for(lambda: flags.count() == before + 1, 30, "the several-token flag")
     flag = flags.last
     assert flag.is_visible()
-    colour, warning = flag.evaluate(COLOUR_AND_WARNING)
-    assert colour == warning, (colour, warning)
-    assert "8 tokens: the lens, the attribution and the sweep measure only" in flag.inner_text()
+    assert flag.evaluate("el => getComputedStyle(el).color") != box.evaluate(
+        "el => getComputedStyle(el).color"
+    )  # the warning's colour, not the text's
+    assert page.locator(".ek-explorer").evaluate(LOW_CONTRAST) == []
+    assert "8 tokens: only ' ' is measured" in flag.inner_text()
     rows = page.locator(".widget-html", has=flag).inner_text()
     assert rows.count("→") == len(typed.split(",")) + 1, rows  # no row for a blank target
     assert "' New York' →" in rows and "' ' →" not in rows
@@ -1249,6 +1281,192 @@ def unpin_tuned_refused_and_dark(page: Any, state: Callable[[], dict], run_butto
     page.screenshot(path=str(ARTIFACTS / "explorer_jupyterlab_dark.png"), full_page=True)
 
 
+# Every text a canvas draws, recorded on the canvas with where and how (an init script, so
+# the heatmaps' own code runs unchanged): what the researcher sees in the cells and axes.
+RECORD_CANVAS_TEXT = """(() => {
+    const fill = CanvasRenderingContext2D.prototype.fillText;
+    CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
+        const {a, b, c, d, e, f} = this.getTransform();
+        (this.canvas.ekDrawn = this.canvas.ekDrawn || []).push({
+            text: String(text), x, y, align: this.textAlign,
+            width: this.measureText(String(text)).width, m: [a, b, c, d, e, f],
+        });
+        return fill.call(this, text, x, y, ...rest);
+    };
+})()"""
+
+# The heatmap under ``root`` drawn again (a scroll repaints it), and what it drew then.
+DRAWN_TEXT = """async root => {
+    const canvas = root.querySelector("canvas.ek-canvas");
+    canvas.ekDrawn = [];
+    root.querySelector(".ek-scroller").dispatchEvent(new Event("scroll"));
+    await new Promise(resolve => requestAnimationFrame(() => setTimeout(resolve, 50)));
+    return {texts: canvas.ekDrawn, width: canvas.width, height: canvas.height};
+}"""
+
+
+def text_box(drawn: dict) -> list[tuple[float, float]]:
+    """The four corners, in canvas pixels, of a text a canvas drew (10 px high, middle
+    baseline, as the heatmaps draw), through the transform it was drawn with."""
+    width, x, y = drawn["width"], drawn["x"], drawn["y"]
+    left = {"right": x - width, "center": x - width / 2}.get(drawn["align"], x)
+    a, b, c, d, e, f = drawn["m"]
+    corners = [(left, y - 5), (left + width, y - 5), (left + width, y + 5), (left, y + 5)]
+    return [(a * u + c * v + e, b * u + d * v + f) for u, v in corners]
+
+
+def boxes_overlap(one: list[tuple[float, float]], two: list[tuple[float, float]]) -> bool:
+    """Whether two convex quadrilaterals overlap (no edge of either separates them)."""
+    for quad in (one, two):
+        for i in range(4):
+            (x1, y1), (x2, y2) = quad[i], quad[(i + 1) % 4]
+            normal = (y1 - y2, x2 - x1)
+            spans = [[normal[0] * x + normal[1] * y for x, y in q] for q in (one, two)]
+            if max(spans[0]) <= min(spans[1]) + 0.5 or max(spans[1]) <= min(spans[0]) + 0.5:
+                return False
+    return True
+
+
+def axis_labels_fit(page: Any, root: str) -> list[str]:
+    """The token labels under the heatmap at ``root`` (drawn turned): each pair that overlaps,
+    and each one cut by the canvas's edge."""
+    drawn = page.locator(root).evaluate(DRAWN_TEXT)
+    labels = [t for t in drawn["texts"] if abs(t["m"][1]) > 1e-6]  # turned: the axis
+    assert labels, "no turned labels drawn"
+    boxes = [text_box(t) for t in labels]
+    wrong = [
+        f"{labels[i]['text']!r} overlaps {labels[j]['text']!r}"
+        for i in range(len(boxes))
+        for j in range(i + 1, len(boxes))
+        if boxes_overlap(boxes[i], boxes[j])
+    ]
+    for label, box in zip(labels, boxes):
+        inside = all(0 <= x <= drawn["width"] and 0 <= y <= drawn["height"] for x, y in box)
+        if not inside:
+            wrong.append(f"{label['text']!r} is cut by the canvas's edge")
+    return wrong
+
+
+def whitespace_is_marked(page: Any, state: Callable[[], dict]) -> None:
+    """The first heatmap draws each token with its whitespace marked: ' capital' as
+    '␣capital' on its axis, and no text drawn begins or ends with a bare space; the diff's
+    turned labels neither overlap nor are cut."""
+    drawn = page.locator(MAIN).evaluate(DRAWN_TEXT)["texts"]
+    texts = [t["text"] for t in drawn]
+    assert "␣capital" in texts, texts
+    assert not [t for t in texts if t != t.strip(" ")], texts
+    assert axis_labels_fit(page, MAIN) == []
+    open_tab(page, "Compare")
+    assert axis_labels_fit(page, DIFF) == []
+
+
+def sweep_range_is_fitted(state: Callable[[], dict]) -> None:
+    """The sweep's colours span the map's own range (its effects of a few hundredths would
+    look blank on 0..1), as the toggle says."""
+    scale = state()["sweep_scale"]
+    assert scale["toggle"] == "fitted"
+    np.testing.assert_allclose(scale["clim"], scale["data"], rtol=1e-6, atol=1e-9)
+    assert scale["data"] != [0.0, 1.0]
+
+
+def back_to_unpatched_and_a_heads_pattern(
+    page: Any, state: Callable[[], dict], run_button: Any
+) -> None:
+    """From the patched run a drop made: Run draws the unpatched lens, and no panel keeps a
+    notice of the patched run; a cell clicked opens what its position attends to, the
+    heads' grid; a head clicked in the grid draws its whole pattern."""
+    assert state()["result"]["patches"]  # the drop's patched run is shown
+    page.keyboard.press("Escape")
+    run_button.click()
+    wait_for(lambda: not state()["result"]["patches"], 120, "the unpatched Run")
+    wait_for(run_button.is_enabled, 60, "the Run button to come back")
+    res = state()["result"]
+    layer, position = len(res["layer_labels"]) - 1, len(res["tokens"]) - 2
+    open_tab(page, "Attention")
+    tip = hover_cell(page, layer, position, MAIN)
+    page.mouse.click(tip["point"]["x"], tip["point"]["y"])
+    page.keyboard.press("Escape")
+    wait_for(
+        lambda: (state().get("attention") or {}).get("query") == res["positions"][position],
+        60,
+        "the attention at the clicked position",
+    )
+    grid = page.locator(".ek-attention-panel .ek-att-cell")
+    wait_for(lambda: grid.count() > 1, 30, "the heads' grid")
+    notices = state()["panel_notices"]
+    assert not [name for name, text in notices.items() if "patched" in text], notices
+    assert "patched" not in page.locator(".ek-panels").text_content()
+    head = grid.nth(1)
+    clicked = [int(head.get_attribute("data-layer")), int(head.get_attribute("data-head"))]
+    head.click()
+    wait_for(lambda: state()["attention"]["selected"] == clicked, 30, "the head picked")
+    pattern = page.locator(".ek-attention-panel td.ek-att-w")
+    wait_for(lambda: pattern.count() > 0, 60, "the head's whole pattern")
+
+
+def train_cancel_and_interrupt(page: Any, state: Callable[[], dict], run_button: Any) -> float:
+    """The training panel as a newcomer uses it: a short budget is kept within 10% (the
+    kernel times the Train button's busy span); Cancel pressed during a long training acts
+    within 3 s and keeps the best so far; the kernel's stop button (Kernel > Interrupt)
+    during another stops it too, says "interrupted" with no traceback, and the next Run
+    works. Returns the seconds Cancel took, as the browser saw them."""
+    open_tab(page, "Training")
+    seconds = page.locator(".ek-training input[type='number']")
+    train = page.locator(".ek-training button.widget-button", has_text="Train")
+    cancel = page.locator(".ek-training button.widget-button", has_text="Cancel")
+    seconds.fill("8")
+    seconds.press("Enter")
+    wait_for(lambda: state()["training_budget"] == 8, 30, "the budget")
+    train.click()
+    trained = wait_for(
+        lambda: (t := state()["trainings"]) and t[-1][1] is not None and t[-1], 120, "training"
+    )
+    took = trained[1] - trained[0]
+    assert took <= 8 * 1.1, f"an 8 s budget took {took:.1f} s"
+    wait_for(
+        lambda: "closer to the final" in state()["panel_notices"]["training"], 30, "its summary"
+    )
+
+    seconds.fill("120")
+    seconds.press("Enter")
+    wait_for(lambda: state()["training_budget"] == 120, 30, "the long budget")
+    count = len(state()["trainings"])
+    train.click()
+    wait_for(lambda: "training:" in state()["panel_notices"]["training"], 60, "training under way")
+    began = time.monotonic()
+    cancel.click()
+    wait_for(lambda: state()["trainings"][count][1] is not None, 30, "the training to stop")
+    acted = time.monotonic() - began
+    assert acted < 3, f"Cancel took {acted:.1f} s to act"
+    wait_for(lambda: "cancelled after" in state()["panel_notices"]["training"], 30, "'cancelled'")
+
+    train.click()
+    wait_for(lambda: "training:" in state()["panel_notices"]["training"], 60, "training again")
+    page.evaluate("() => window.jupyterapp.commands.execute('kernelmenu:interrupt')")
+    wait_for(lambda: state()["trainings"][count + 1][1] is not None, 30, "the interrupt to act")
+    header = page.locator(".ek-training .widget-html").first
+    wait_for(lambda: "interrupted after" in header.inner_text(), 30, "'interrupted' shown")
+    assert "Traceback" not in page.locator(".jp-OutputArea").first.inner_text()
+    run_button.click()
+    wait_for(lambda: "took" in state().get("status", ""), 120, "a Run after the interrupt")
+    wait_for(run_button.is_enabled, 60, "the Run button to come back")
+    return acted
+
+
+def fits_one_screen(page: Any) -> None:
+    """At 1280 x 800 the controls, the picker, the heatmap and the open panel (attribution)
+    fit in the notebook's view: scrolled to the explorer, nothing of it is below the fold."""
+    page.set_viewport_size({"width": 1280, "height": 800})
+    open_tab(page, "Attribution")
+    explorer = page.locator(".ek-explorer")
+    explorer.evaluate("el => el.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(500)
+    box = explorer.bounding_box()
+    view = page.locator(".jp-NotebookPanel-notebook").bounding_box()
+    assert box["height"] <= view["height"], (box, view)
+    page.screenshot(path=str(ARTIFACTS / "explorer_1280x800.png"))
+
+
 @pytest.mark.engine
 def test_explorer_in_jupyterlab(browser, tmp_path):
     work = tmp_path / "work"
@@ -1266,6 +1484,7 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
     started = time.monotonic()
     lab = Lab(tmp_path)
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.add_init_script(RECORD_CANVAS_TEXT)
     kernel_tree: list[psutil.Process] = []
     try:
         timings["lab"] = time.monotonic() - started
@@ -1357,10 +1576,21 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         t = time.monotonic()
         cancel_a_sweep(page, state)
         sweep(page, state)
+        sweep_range_is_fitted(state)
         timings["a cancelled sweep + a sweep"] = time.monotonic() - t
+        t = time.monotonic()
+        back_to_unpatched_and_a_heads_pattern(page, state, run_button)
+        whitespace_is_marked(page, state)
+        timings["unpatched + heads + labels"] = time.monotonic() - t
+        t = time.monotonic()
+        timings["Cancel acted in"] = train_cancel_and_interrupt(page, state, run_button)
+        timings["training + cancel + interrupt"] = time.monotonic() - t
+        assert page.locator(".ek-explorer").evaluate(LOW_CONTRAST) == []
         t = time.monotonic()
         unpin_tuned_refused_and_dark(page, state, run_button)
         timings["unpin + tuned + refused + dark"] = time.monotonic() - t
+        assert page.locator(".ek-explorer").evaluate(LOW_CONTRAST) == []
+        fits_one_screen(page)
 
         t = time.monotonic()
         page.evaluate(

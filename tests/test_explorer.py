@@ -737,7 +737,7 @@ def test_a_target_of_several_tokens_is_a_warning_naming_what_is_measured(explore
     assert len(tokens) > 1
     shown = explorer.tokenization.value
     assert "--jp-warn-color1" in shown and f"{len(tokens)} tokens" in shown
-    assert "measure only" in shown
+    assert f"only <code>{html.escape(repr(tokens[0]))}</code> is measured" in shown
 
 
 @pytest.mark.engine
@@ -1274,6 +1274,37 @@ def test_panel_figures_come_in_both_themes_inks():
     assert ax.title.get_color() == INK["dark"] and kept.get_color() == "white"
     assert ax.get_legend().get_texts()[0].get_color() == INK["dark"]
     assert total.get_color() == INK["dark"] and on_a_cell.get_color() == "black"
+
+
+def test_panel_figure_lines_read_at_4_5_to_1_in_both_themes():
+    """A line of its own colour (a trajectory, its dashed rank line) keeps its hue but is
+    drawn, in each theme's PNG, at a contrast of at least 4.5:1 against that theme's
+    paper: tab:blue is 4.1:1 on JupyterLab Dark's, tab:orange 2.6:1 on white. The figure
+    keeps its own colours for pyplot and exports."""
+    from matplotlib.figure import Figure
+
+    from envoykit.explorer.outputs import PAPER, contrast, figure_output
+
+    ax = Figure(figsize=(3, 2)).subplots()
+    hues = [f"C{i}" for i in range(10)]
+    for hue in hues:
+        ax.plot([0, 1], [0, 1], color=hue, label=hue)
+        ax.plot([0, 1], [1, 0], color=hue, linestyle="--")  # the rank line
+    ax.legend()
+    drawn: list[list[tuple]] = []
+    save = ax.figure.savefig
+
+    def recording(*args, **kwargs):  # what each theme's PNG is drawn with
+        drawn.append([line.get_color() for line in ax.get_lines()])
+        return save(*args, **kwargs)
+
+    ax.figure.savefig = recording
+    figure_output(ax.figure, "lines")
+    assert len(drawn) == 2
+    assert min(contrast(c, PAPER["light"]) for c in drawn[0]) >= 4.5
+    assert min(contrast(c, PAPER["dark"]) for c in drawn[1]) >= 4.5
+    assert contrast("C0", PAPER["dark"]) < 4.5 and contrast("C1", PAPER["light"]) < 4.5
+    assert [line.get_color() for line in ax.get_lines()] == [h for h in hues for _ in (0, 1)]
 
 
 def test_diff_cells_are_as_wide_as_their_text():

@@ -10,12 +10,13 @@ and calls the engine. Its header is an ipywidgets ``HTML``, so its text is escap
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import ipywidgets as widgets
 
 from envoykit import plot
-from envoykit.explorer.outputs import figure_output, message_html
+from envoykit.explorer.outputs import PANEL_FIGURE, figure_output, message_html
 from envoykit.explorer.target_choice import TargetChoice
 from envoykit.results.attribution import AttributionResult
 
@@ -55,10 +56,12 @@ class AttributionPanel(widgets.VBox):
         from matplotlib.figure import Figure
 
         n_layers = int(att.component_layers.max())
-        # Wide enough for the plot's title even with a few layers, as wide as a cell allows.
-        figure = Figure(figsize=(min(max(7.0, 4.0 + 0.32 * n_layers), 12.0), 3.6))
+        # A panel's width with a few layers, wider (the panel scrolls) for many.
+        width = min(max(PANEL_FIGURE[0], 3.0 + 0.22 * n_layers), 10.0)
+        figure = Figure(figsize=(width, PANEL_FIGURE[1] - 0.2))
         ax = figure.subplots()
         plot.attribution(att, target, position=0, ax=ax)
+        ax.set_title(textwrap.fill(ax.get_title(), 46), fontsize=9)  # the panel's width
         ax.axvspan(layer - 0.5, layer + 0.5, color="C3", alpha=0.12, label=f"row {row}")
         ax.legend(loc="best", fontsize=8)
         figure.tight_layout()
@@ -66,10 +69,7 @@ class AttributionPanel(widgets.VBox):
         what = f"logit({token!r}) at position {int(att.positions[0])} ({att.tokens[0]!r})"
         self.result, self.figure = att, figure
         self.view.outputs = (figure_output(figure, f"direct logit attribution of {what}"),)
-        self._head(
-            f"what the embedding and each layer's attention and MLP add to {what}; "
-            f"the layer of row {row} is shaded"
-        )
+        self._head(f"{what}; row {row} shaded")
 
     def _head(self, text: str, *, error: bool = False, details: str = "") -> None:
         self.header.value = message_html(text, error=error, details=details)

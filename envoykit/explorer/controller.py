@@ -297,24 +297,34 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
     # -- the inputs ------------------------------------------------------------------------
 
     def _on_targets(self, _: Any = None) -> None:
+        """Each typed target's tokens, one line each: a warning first where only its first
+        token is measured, and a line too long for the column cut with an ellipsis (its
+        whole text in the line's tooltip), so the targets never push the heatmap down."""
         if self.engine is None:
             self.tokenization.value = ""
             return
         rows = []
         for piece in typed_targets(self.targets.value):
             tokens = describe_target(self.engine.tokenizer, piece)
+            listed = " ".join(repr(t) for t in tokens)
             if not tokens:
-                shown = f"<b style='color:{ERROR}'>tokenizes to nothing</b>"
+                note, listed = f"<b style='color:{ERROR}'>tokenizes to nothing</b>", ""
+            elif len(tokens) > 1:
+                first = html.escape(repr(tokens[0]))
+                note = (
+                    f"<b style='color:{WARNING}'>{len(tokens)} tokens: only "
+                    f"<code>{first}</code> is measured</b>: "
+                )
             else:
-                shown = " ".join(f"<code>{html.escape(repr(t))}</code>" for t in tokens)
-                if len(tokens) > 1:
-                    first = html.escape(repr(tokens[0]))
-                    shown += (
-                        f" <b style='color:{WARNING}'>{len(tokens)} tokens: the lens, the "
-                        f"attribution and the sweep measure only <code>{first}</code></b>"
-                    )
-            rows.append(f"<code>{html.escape(repr(piece))}</code> → {shown}")
-        self.tokenization.value = "<br>".join(rows)
+                note = ""
+            whole = html.escape(f"{piece!r} → {listed}", quote=True)
+            rows.append(
+                f"<div class='ek-target-line' title=\"{whole}\">"
+                f"<code>{html.escape(repr(piece))}</code> → {note}"
+                + " ".join(f"<code>{html.escape(repr(t))}</code>" for t in tokens)
+                + "</div>"
+            )
+        self.tokenization.value = "".join(rows)
 
     def _on_metric(self, change: dict[str, Any]) -> None:
         if change["new"] is not None:

@@ -3,9 +3,10 @@
 `ExplorerLayout` is the explorer's screen: the prompt boxes, the controls, the message line,
 the layer picker and the heatmap, then the panels in tabs (``panels``): the trajectory, the
 attribution, the attention, the compare and sweep panels, and those the controller adds
-(steering, corpus, training, features). One panel is open at a time, so the controls, the
-heatmap and the panel in use fit one screen. `envoykit.explorer.controller` and the parts
-it mixes in add what they do.
+(steering, corpus, training, features). One panel is open at a time, beside the heatmap
+where the width holds both, and the heatmap's height is bounded by the window's, so the
+controls, the heatmap and the panel in use fit one screen (1280 x 800).
+`envoykit.explorer.controller` and the parts it mixes in add what they do.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class ExplorerLayout(widgets.VBox):
         self.prompt = widgets.Textarea(
             value=prompt,
             placeholder="prompt",
-            layout=widgets.Layout(width="auto", height="70px"),
+            layout=widgets.Layout(width="auto", height="56px"),
             disabled=readonly,
         )
         self.targets = widgets.Text(
@@ -76,14 +77,23 @@ class ExplorerLayout(widgets.VBox):
         self.metric = widgets.Dropdown(description="metric", options=metric_options)
         self.metric.add_class("ek-metric")  # the page's handle on it, beside other menus
         # The colour scale, set by hand: blank limits are the metric's own.
+        # Narrow enough for one row beside each other in the controls' column.
+        # Labels as wide as their words, so each box shows its whole value or placeholder.
+        label = {"description_width": "initial"}
         self.colour_min = widgets.Text(
-            description="colour min", placeholder="auto", layout=widgets.Layout(width="170px")
+            description="colour min",
+            placeholder="auto",
+            style=label,
+            layout=widgets.Layout(width="150px"),
         )
         self.colour_max = widgets.Text(
-            description="max", placeholder="auto", layout=widgets.Layout(width="130px")
+            description="max", placeholder="auto", style=label, layout=widgets.Layout(width="110px")
         )
         self.colour_scale = widgets.Dropdown(
-            description="scale", options=["linear", "log"], layout=widgets.Layout(width="160px")
+            description="scale",
+            options=["linear", "log"],
+            style=label,
+            layout=widgets.Layout(width="130px"),
         )
         for control in (self.colour_min, self.colour_max, self.colour_scale):
             control.add_class("ek-colour-control")
@@ -126,7 +136,7 @@ class ExplorerLayout(widgets.VBox):
             value=compare_with,
             placeholder="second prompt: compared with the first; drag a cell of its heatmap "
             "onto the first's to patch it in",
-            layout=widgets.Layout(width="auto", height="50px"),
+            layout=widgets.Layout(width="auto", height="44px"),
             disabled=readonly,
         )
 
@@ -185,21 +195,39 @@ class ExplorerLayout(widgets.VBox):
                 # the edge ("tune…").
                 widgets.HBox([self.metric, self.top_k, self.lens_kind], layout=_WRAP),
                 widgets.HBox([self.colour_min, self.colour_max, self.colour_scale], layout=_WRAP),
-                widgets.HBox([self.run_button, self.cancel_button, self.status], layout=_WRAP),
             ],
             layout=widgets.Layout(width="55%"),
         )
+        # Run under the prompt it runs, where the prompts' column has room.
         prompts = widgets.VBox(
-            [self.prompt, self.compare, self.other_prompt], layout={"width": "45%"}
+            [
+                self.prompt,
+                self.compare,
+                self.other_prompt,
+                widgets.HBox([self.run_button, self.cancel_button, self.status], layout=_WRAP),
+            ],
+            layout={"width": "45%"},
         )
+        # The heatmap and the open panel side by side where the width holds both (a cell
+        # clicked and its attribution in one glance, and one screen's height for both); the
+        # panel wraps under a heatmap too wide to leave it room.
+        # A tooltip reaches out of the heatmap: the boxes around it do not clip it.
+        views = widgets.VBox(
+            [self.pins, self.patch_note, self.heatmap],  # the notes right above the heatmap
+            layout={
+                "flex": "0 1 auto",
+                "min_width": "0",
+                "max_width": "100%",
+                "overflow": "visible",
+            },
+        )
+        self.panels.layout = widgets.Layout(flex="1 1 360px", min_width="360px")
+        beside = {**_WRAP, "align_items": "flex-start", "overflow": "visible"}
         return [
             widgets.HBox([prompts, controls]),
             self.message,
             self.picker,
-            self.pins,
-            self.patch_note,  # right above the heatmap it is about
-            self.heatmap,
-            self.panels,
+            widgets.HBox([views, self.panels], layout=beside),
         ]
 
 

@@ -35,6 +35,14 @@ def failure(err: BaseException) -> tuple[str, str]:
 # The ink of a panel figure's default-coloured text, ticks, spines and legend frame on each
 # JupyterLab theme (near its --jp-ui-font-color1).
 INK = {"light": "#212121", "dark": "#dedede"}
+# A panel figure's size in inches (100 pixels each): as wide as the narrowest panel beside
+# the heatmap (360 pixels), which shows it unscaled, so that its 8-point legends read at 11
+# pixels.
+PANEL_FIGURE = (3.4, 2.4)
+# What a panel figure is drawn on in each theme (--jp-layout-color1, a tab's background).
+PAPER = {"light": "#ffffff", "dark": "#212121"}
+# The least contrast a line of a panel figure has against `PAPER` (WCAG's ratio for text).
+LEGIBLE = 4.5
 # The mark of a text `themed_pngs` inked: it no longer has the default colour.
 _INKED = "_envoykit_inked"
 
@@ -82,6 +90,10 @@ def themed_pngs(figure: Any) -> tuple[str, str]:
     placed = {id(text) for ax in figure.axes for text in ax.texts}
     texts = [item for item in figure.findobj(Text) if id(item) not in placed and _default_ink(item)]
     lines = [item for item in figure.findobj(Line2D) if _default_ink(item)]
+    # A line of its own colour (a target's trajectory, its dashed rank) keeps its hue, moved
+    # towards each theme's ink until it reads at `LEGIBLE` on that theme's paper.
+    coloured = [item for item in figure.findobj(Line2D) if not _default_ink(item)]
+    hues = [item.get_color() for item in coloured]
     legends = [ax.get_legend() for ax in figure.axes if ax.get_legend() is not None]
     for ax in figure.axes:
         ax.set_facecolor("none")
@@ -90,9 +102,15 @@ def themed_pngs(figure: Any) -> tuple[str, str]:
     for item in (*texts, *lines):
         setattr(item, _INKED, True)  # drawn again (the export), it is inked again
     pngs = []
-    for colour in (INK["light"], INK["dark"]):
+    for theme in ("light", "dark"):
+        colour = INK[theme]
         for item in (*texts, *lines):
             item.set_color(colour)  # a line's markers follow it unless coloured apart
+        for item, hue in zip(coloured, hues):
+            legible = _legible(hue, PAPER[theme], colour)
+            item.set_color(legible)
+            item.set_markerfacecolor(legible)
+            item.set_markeredgecolor(legible)
         for ax in figure.axes:
             ax.tick_params(colors=colour, which="both")
             for spine in ax.spines.values():
@@ -102,7 +120,38 @@ def themed_pngs(figure: Any) -> tuple[str, str]:
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png", transparent=True)
         pngs.append(base64.b64encode(buffer.getvalue()).decode())
+    for item, hue in zip(coloured, hues):  # the figure as it was, for pyplot or an export
+        item.set_color(hue)
+        item.set_markerfacecolor(hue)
+        item.set_markeredgecolor(hue)
     return pngs[0], pngs[1]
+
+
+def contrast(colour: Any, background: Any) -> float:
+    """WCAG's contrast ratio of two matplotlib colours, from 1 (same) to 21 (black on
+    white)."""
+    from matplotlib.colors import to_rgb
+
+    def luminance(rgb: tuple[float, ...]) -> float:
+        r, g, b = (c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb)
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    a, b = luminance(to_rgb(colour)), luminance(to_rgb(background))
+    return (max(a, b) + 0.05) / (min(a, b) + 0.05)
+
+
+def _legible(colour: Any, paper: str, ink: str) -> tuple[float, float, float]:
+    """``colour`` mixed with ``ink`` in tenths, the least that reads at `LEGIBLE` on
+    ``paper`` (the ink itself at worst)."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    hue, towards = np.array(to_rgb(colour)), np.array(to_rgb(ink))
+    for share in np.linspace(0, 1, 11):
+        r, g, b = ((1 - share) * hue + share * towards).tolist()
+        if contrast((r, g, b), paper) >= LEGIBLE:
+            return r, g, b
+    return to_rgb(ink)
 
 
 def _default_ink(item: Any) -> bool:
@@ -121,8 +170,11 @@ def text_output(text: str) -> dict[str, Any]:
 
 
 # Colours of messages: the theme's, with the light theme's as fallback.
-ERROR = "var(--jp-error-color1, #c92a2a)"
-WARNING = "var(--jp-warn-color1, #e67700)"
+# The theme's error and warning hues mixed with its strongest text colour (black in a light
+# theme, white in a dark one): the bare hues read at under 4.5:1 against the page in one
+# theme or the other (orange on white: 2.7).
+ERROR = "color-mix(in srgb, var(--jp-error-color1, #c92a2a) 75%, var(--jp-ui-font-color0, #000))"
+WARNING = "color-mix(in srgb, var(--jp-warn-color1, #e67700) 60%, var(--jp-ui-font-color0, #000))"
 TEXT = "var(--jp-ui-font-color1, #333)"
 
 

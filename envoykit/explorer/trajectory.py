@@ -12,7 +12,7 @@ bare matplotlib ``Figure`` (`outputs`), kept with its labels for `export` and fo
 from __future__ import annotations
 
 from envoykit import plot
-from envoykit.explorer.outputs import figure_output, text_output
+from envoykit.explorer.outputs import PANEL_FIGURE, figure_output, text_output
 from envoykit.explorer.state import ExplorerState
 
 
@@ -36,7 +36,7 @@ class TrajectoryView(ExplorerState):
                 text_output("type targets, or click a token in a heatmap tooltip to pin it"),
             )
             return
-        ax = Figure(figsize=(7, 3.5)).subplots()
+        ax = Figure(figsize=PANEL_FIGURE).subplots()
         labels = list(shown.target_labels)
         plot.trajectory(shown, labels, position=position, from_top_k=extra, ax=ax)
         labels += [shown.top_k_trace(token_id, position)[0] for token_id in extra]

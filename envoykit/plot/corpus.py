@@ -61,7 +61,7 @@ def lens_corpus(
         ticks = np.arange(len(labels_shown))[::step]
         ax.set_xticks(ticks, [labels_shown[i] for i in ticks], fontsize=8)
         ax.set_xlabel("layer")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8)
     first = runs[0]
     figure.suptitle(
         f"lens over {first.n_documents} documents, {first.n_tokens} tokens "

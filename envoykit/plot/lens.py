@@ -129,7 +129,7 @@ def trajectory(
     ax.set_xticks(ticks, ["embed" if t == 0 else str(t) for t in ticks], fontsize=8)
     ax.set_xlabel("layer")
     ax.set_title(f"{res.run_label}: targets at position {res.tokens[position]!r}", fontsize=10)
-    ax.legend(handles=handles, loc="upper left", fontsize=7)
+    ax.legend(handles=handles, loc="upper left", fontsize=8)
     ax.figure.tight_layout()
     return ax.figure
 

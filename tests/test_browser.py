@@ -1464,6 +1464,12 @@ def fits_one_screen(page: Any) -> None:
     box = explorer.bounding_box()
     view = page.locator(".jp-NotebookPanel-notebook").bounding_box()
     assert box["height"] <= view["height"], (box, view)
+    # The open panel's figure at its own size: its 8-point legend reads at 11 px.
+    scaled = page.locator(".ek-panels .ek-figure img").evaluate_all(
+        "imgs => imgs.filter(img => img.offsetParent && img.clientWidth !== img.naturalWidth)"
+        ".map(img => `${img.alt}: ${img.clientWidth} of ${img.naturalWidth} px`)"
+    )
+    assert scaled == []
     page.screenshot(path=str(ARTIFACTS / "explorer_1280x800.png"))
 
 

@@ -21,11 +21,14 @@ OTHER = "The capital of Italy is"
 
 
 def acted(
-    start: Callable[[], Any], cancel: Callable[[], Any], wait: Callable[[], Any], after: float
+    start: Callable[[], Any], cancel: Callable[[], Any], wait: Callable[..., bool], after: float
 ) -> float:
-    """Start the work, press Cancel ``after`` seconds in; the seconds until it ended."""
+    """Start the work, press Cancel ``after`` seconds in; the seconds until it ended
+    (``wait(timeout)``: whether it has)."""
     start()
     time.sleep(after)
+    if wait(0):
+        raise SystemExit("the work ended before its Cancel: press sooner (--after)")
     pressed = time.monotonic()
     cancel()
     wait()
@@ -45,11 +48,11 @@ def main() -> None:
 
         def long_run() -> None:
             explorer.compare.value = False
-            explorer.prompt.value = " ".join(["The history of the city is long."] * 200)
+            explorer.prompt.value = " ".join(["The history of the city is long."] * 120)
             explorer.work.submit(explorer.run)
 
         rows.append(
-            ("Run (1,600 tokens)", acted(long_run, explorer.cancel, explorer.wait, args.after))
+            ("Run (960 tokens)", acted(long_run, explorer.cancel, explorer.wait, args.after))
         )
         explorer.prompt.value, explorer.compare.value = PROMPT, True
         explorer.run()

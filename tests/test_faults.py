@@ -254,6 +254,26 @@ def test_cancel_stops_a_lens_on_the_ranks_and_the_engine_answers(tiny_engines):
         assert engine.lens(LONG, top_k=3).top_ids.shape[1] > 100  # not cancelled again
 
 
+def test_cancel_stops_the_corpus_lens_inside_its_batch(tiny2):
+    """engine.cancel(thread) stops a corpus lens on the ranks inside the batch in flight (one
+    batch of the whole corpus here, so a stop between batches could not be it): it raises
+    ek.Cancelled naming the corpus lens, leaves no flag, and the next corpus lens equals one
+    run before."""
+    texts = [f"Document {i}: the quick brown fox jumps over the lazy dog." for i in range(300)]
+    expected = tiny2.lens_corpus(texts[:20], progress=False)
+    thread, box = call_in_thread(
+        lambda: tiny2.lens_corpus(texts, batch_tokens=10**6, progress=False)
+    )
+    cancel_when_started(tiny2, thread)
+    thread.join(120)
+    assert not thread.is_alive()
+    error = box.get("error")
+    assert isinstance(error, ek.Cancelled) and "the corpus lens was cancelled" in str(error), box
+    assert not [n for n in os.listdir(tiny2.scratch) if n.startswith("envoykit-cancel-")]
+    again = tiny2.lens_corpus(texts[:20], progress=False)
+    np.testing.assert_array_equal(again.document_sums, expected.document_sums)
+
+
 def test_interrupt_during_sweep_leaves_engine_usable(tiny2):
     """Ctrl-C during a causal-tracing sweep stops it and the engine serves the next sweep."""
     sweep = lambda: tiny2.patch_sweep(  # noqa: E731

@@ -16,10 +16,11 @@ the guard is free, so a long sweep lets other requests in.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,9 @@ import torch
 
 from envoykit import _compat as compat
 from envoykit.analyses.in_flight import LensesInFlight
-from envoykit.errors import InvalidRequest
+from envoykit.errors import Cancelled, InvalidRequest
 from envoykit.model.readout import Readout, at
+from envoykit.ranks.cancel import is_cancellation
 
 if TYPE_CHECKING:
     from envoykit.runtime.info import ModelInfo
@@ -74,6 +76,29 @@ class EngineBase:
         if key is not None:
             self._raise_cancel_flag(key)
         return key
+
+    @contextlib.contextmanager
+    def _cancellable(
+        self, what: str = "the lens"
+    ) -> Iterator[tuple[str, Callable[[], AbstractContextManager]]]:
+        """A cancel key for the work on the ranks that the calling thread runs inside this
+        block, and the engine's guard that records it while held: `cancel` from another
+        thread stops that work at its next chunk, and the block raises `Cancelled` naming
+        ``what``. Registered before the block's first trace, so a cancel heard before it
+        stops it at its first chunk."""
+        in_flight = self._lenses_in_flight
+        with in_flight.lens() as key:
+            try:
+                yield key, in_flight.guard(key, self.exclusive)
+            except Exception as error:
+                if is_cancellation(error, key):
+                    raise Cancelled(
+                        f"{what} was cancelled (engine.cancel()); the engine is ready for the "
+                        "next request"
+                    ) from None
+                raise
+            finally:
+                self._lower_cancel_flag(key)
 
     def _raise_cancel_flag(self, key: str) -> None:
         """Put up the cancel flag of lens ``key`` where its ranks look."""

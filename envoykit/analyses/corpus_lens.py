@@ -45,10 +45,12 @@ def piece_sums(
     translator: str | None,
     guard: Callable[[], AbstractContextManager],
     budget: int = DEFAULT_MEMORY_BUDGET,
+    cancel: str | None = None,
 ) -> list[torch.Tensor]:
     """One trace over ``batch``: per piece ``[4, len(layers)]`` float64, the `STATISTICS` over its
     positions at each of ``layers`` (accuracy over all but its last position, whose next
-    token is not in the piece)."""
+    token is not in the piece). ``cancel``: the cancel key the ranks look for before each
+    chunk of the reduction."""
     import nnsight
 
     rows = computed_rows([(layer, "resid") for layer in layers], readout.n_layers)
@@ -66,7 +68,9 @@ def piece_sums(
                 streams = walk(readout, layer_list, reads, {})
                 if translator is not None:
                     streams = translated(streams, rows, translator, readout.n_layers)
-                stats = lens_statistics(norm, shard, streams, None, top_k, (), budget=budget)
+                stats = lens_statistics(
+                    norm, shard, streams, None, top_k, (), budget=budget, cancel=cancel
+                )
                 top = stats["top_ids"].long()
                 final = top[-1, :, :1]
                 agree = (top == final.unsqueeze(0)).any(-1).double().sum(1)
@@ -96,13 +100,15 @@ def run(
     vocab: int,
     guard: Callable[[], AbstractContextManager],
     progress: Any,
+    cancel: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per document ``[documents, layers, 4]`` the `STATISTICS` and ``[documents, 2]`` how many
-    positions they are over (all, and those with a next token); ``progress`` counts tokens."""
+    positions they are over (all, and those with a next token); ``progress`` counts tokens,
+    ``cancel`` is the key that stops the batch in flight on the ranks."""
     sums: list[np.ndarray] = []
     counts: list[list[int]] = []
     for batch in batches(pieces(tokenizer, texts, max_length, vocab), batch_tokens):
-        found = piece_sums(model, readout, batch, layers, top_k, translator, guard)
+        found = piece_sums(model, readout, batch, layers, top_k, translator, guard, cancel=cancel)
         for piece, value in zip(batch, found):
             while len(sums) <= piece.doc:  # a document with no tokens is dropped below
                 sums.append(np.zeros((len(layers), len(STATISTICS))))
@@ -139,7 +145,8 @@ def lens_corpus(
 
     ``texts``, ``max_length``, ``batch_tokens``: as in `collect`. ``layers``: as in `lens`.
     ``translator``: a `TunedLens` of this model (the tuned lens's statistics).
-    ``progress``: as in `collect`.
+    ``progress``: as in `collect`. ``engine.cancel(thread)`` from another thread stops it
+    inside the batch in flight, as it stops a lens, and it raises `ek.Cancelled`.
     """
     from envoykit.results.corpus import CorpusLensResult
 
@@ -157,7 +164,8 @@ def lens_corpus(
     documents = corpus.documents(texts)
     total = corpus.total_tokens(engine.tokenizer, texts, info.vocab)
     meta, key = _meta_and_key(engine, translator)
-    with corpus.progress_bar(progress, "corpus lens", total) as bar:
+    cancellable = engine._cancellable("the corpus lens")
+    with cancellable as (cancel, guard), corpus.progress_bar(progress, "corpus lens", total) as bar:
         sums, counts = run(
             engine.model,
             engine.readout,
@@ -169,8 +177,9 @@ def lens_corpus(
             length,
             batch,
             info.vocab,
-            engine.exclusive,
+            guard,
             bar,
+            cancel,
         )
     if not len(counts):
         raise InvalidRequest("the corpus tokenizes to no tokens: its documents are all empty")

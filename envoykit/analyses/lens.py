@@ -41,12 +41,11 @@ from envoykit.analyses.steering import (
     plan_splice,
     split_clamps,
 )
-from envoykit.errors import Cancelled, InvalidRequest
+from envoykit.errors import InvalidRequest
 from envoykit.model.readout import (
     Addition,
     writes_by_layer,
 )
-from envoykit.ranks.cancel import is_cancellation
 from envoykit.ranks.sae import SAEEdit
 from envoykit.results.lens import LensResult
 
@@ -198,34 +197,23 @@ def _translator_key(engine: EngineBase, req: LensRequest, translator: TunedLens)
 def _run_cancellable(engine: EngineBase, plan: LensPlan) -> list[LensResult]:
     """`run` of ``plan``, registered before its sources are read so that a cancel heard
     meanwhile stops the lens at its first chunk."""
-    model, readout, guard = engine.model, engine.readout, engine.exclusive
-    in_flight = engine._lenses_in_flight
-    with in_flight.lens() as cancel:
-        writes = source_writes(model, readout, plan.patches, guard)
+    model, readout = engine.model, engine.readout
+    with engine._cancellable() as (cancel, guard):
+        writes = source_writes(model, readout, plan.patches, engine.exclusive)
         additions, fidelity = list(plan.additions), None
         if plan.splice is not None:
             plain = writes_by_layer([*writes, *additions])
             fidelity = lens_run.Fidelity(uuid.uuid4().hex, (*plan.req.prompt_ids[0][1:], -1), plain)
             additions.append(plan.splice)
-        try:
-            return lens_run.run(
-                model,
-                readout,
-                plan.req,
-                plan.meta,
-                in_flight.guard(cancel, guard),
-                writes=writes,
-                translator=plan.translator,
-                additions=additions,
-                cancel=cancel,
-                fidelity=fidelity,
-            )
-        except Exception as error:
-            if is_cancellation(error, cancel):
-                raise Cancelled(
-                    "the lens was cancelled (engine.cancel()); the engine is ready for the "
-                    "next request"
-                ) from None
-            raise
-        finally:
-            engine._lower_cancel_flag(cancel)
+        return lens_run.run(
+            model,
+            readout,
+            plan.req,
+            plan.meta,
+            guard,
+            writes=writes,
+            translator=plan.translator,
+            additions=additions,
+            cancel=cancel,
+            fidelity=fidelity,
+        )

@@ -270,6 +270,31 @@ class TestPanel:
         clicked = panel.steered
         assert clicked is not None and panel.generate().token_ids == clicked.token_ids
 
+    def test_cancel_stops_generate_before_its_next_stage(self, tiny2):
+        """Cancel pressed while Generate runs (here the moment it says it has begun) stops it
+        before its next stage: the panel says so and shows no continuation, the buttons
+        come back, and the next Generate runs whole."""
+        from envoykit.explorer import SteeringPanel
+
+        panel = SteeringPanel(
+            tiny2, prompt=PROMPT, positive=POSITIVE, negative=NEGATIVE, layer=2, max_tokens=4
+        )
+
+        def press_cancel(change):
+            if "generating" in change["new"]:
+                panel.cancel_button.click()
+
+        panel.header.observe(press_cancel, "value")
+        panel.button.click()
+        assert panel.work.wait(120)
+        assert "cancelled before the vector; the engine is free" in panel.header.value
+        assert panel.steered is None and panel.steered_view.value == ""
+        assert not panel.button.disabled and panel.cancel_button.disabled
+        panel.header.unobserve(press_cancel, "value")
+        assert panel.generate().token_ids == tuple(
+            tiny2.generate(PROMPT, 4, steer=ek.Steer(panel.vector, 2)).token_ids
+        )
+
     def test_bad_input_is_a_message(self, tiny2):
         from envoykit.explorer import SteeringPanel
 

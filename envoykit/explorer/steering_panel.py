@@ -23,7 +23,10 @@ import ipywidgets as widgets
 
 from envoykit.analyses.compare import Run, compare
 from envoykit.analyses.steering import Steer
+from envoykit.errors import Cancelled
+from envoykit.explorer import interrupt
 from envoykit.explorer.compare_panel import diff_scale
+from envoykit.explorer.interrupt import StopFlag
 from envoykit.explorer.layout import typed_targets
 from envoykit.explorer.outputs import ENGINE_ERRORS, message_html
 from envoykit.explorer.payload import compare_data
@@ -95,7 +98,7 @@ class SteeringPanel(widgets.VBox):
                 self.prompt,
                 widgets.HBox([self.positive, self.negative]),
                 widgets.HBox([self.layer, self.scale, self.norm_match]),
-                widgets.HBox([self.max_tokens, self.targets, self.button]),
+                widgets.HBox([self.max_tokens, self.targets, self.button, self.cancel_button]),
                 widgets.HBox([self.plain_view, self.steered_view], layout={"width": "100%"}),
                 widgets.HBox([self.diff_header, self.measure, self.diff_scale]),
                 self.diff,
@@ -108,7 +111,25 @@ class SteeringPanel(widgets.VBox):
             lambda why, details: self.say(f"generation failed: {why}", error=True, details=details),
         )
         self.button.on_click(lambda _: self.work.start(self.generate))
+        self._cancel = StopFlag()
+        self.cancel_button.on_click(lambda _: self._stop())
+        interrupt.listen(self)
         self.say(HINT)
+
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): stop Generate as Cancel
+        does; whether it was running."""
+        if not self.work.busy:
+            return False
+        self._stop(interrupt=True)
+        return True
+
+    def _stop(self, *, interrupt: bool = False) -> None:
+        """Cancel: Generate stops before its next stage (the vector, the plain continuation,
+        the steered one, the diff), and the diff's lens in flight stops on the ranks. A
+        continuation being generated is one request to vLLM and runs to its end."""
+        self._cancel.set(interrupt=interrupt)
+        self.engine.cancel(self.work.thread)
 
     def _build_controls(self, layer: int | None, scale: float, max_tokens: int) -> None:
         """Where and how hard to steer, how far to generate, and the Generate button."""
@@ -128,30 +149,51 @@ class SteeringPanel(widgets.VBox):
             value=max_tokens, min=1, max=256, description="tokens", layout={"width": "160px"}
         )
         self.button = widgets.Button(description="Generate", icon="play", button_style="primary")
+        self.cancel_button = widgets.Button(
+            description="Cancel",
+            icon="stop",
+            disabled=True,
+            tooltip="stop before the next stage: the vector, each continuation, the diff",
+        )
 
     def generate(self) -> Generation | None:
         """Build (or reuse) the vector, generate plain and steered, draw their diff; the
         steered continuation, or None when the engine refused (the reason is shown)."""
-        self.button.disabled = True
+        self.button.disabled, self.cancel_button.disabled = True, False
+        self._cancel.clear()
         try:
             self.say("building the vector and generating…")
             return self._generate()
+        except (_Stopped, Cancelled) as stopped:
+            where = f"before {stopped.stage}" if isinstance(stopped, _Stopped) else "in the diff"
+            self.say(f"{self._cancel.word} {where}; the engine is free", error=True)
+            return None
         except ENGINE_ERRORS as err:
             self.say(str(err), error=True)
             return None
         finally:
-            self.button.disabled = False
+            self.button.disabled, self.cancel_button.disabled = False, True
+            self._cancel.clear()  # a Cancel is for the Generate it stopped
+
+    def _stage(self, stage: str) -> None:
+        """Before ``stage``: `_Stopped` once Cancel (or an interrupt) came."""
+        if self._cancel.is_set():
+            raise _Stopped(stage)
 
     def _generate(self) -> Generation:
         engine, prompt = self.engine, self.prompt.value
+        self._stage("the vector")
         vector = self._vector()
         steer = Steer(
             vector, vector.layer, scale=self.scale.value, norm_match=self.norm_match.value
         )
         tokens = self.max_tokens.value
+        self._stage("the plain continuation")
         plain = engine.generate(prompt, tokens)
+        self._stage("the steered continuation")
         steered = engine.generate(prompt, tokens, steer=steer)
         targets = typed_targets(self.targets.value)
+        self._stage("the diff")
         comparison = compare((engine, prompt), Run(engine, prompt, steer=steer), targets=targets)
         self.plain, self.steered, self.comparison = plain, steered, comparison
         self.plain_view.value = _continuation("plain", prompt, plain)
@@ -204,6 +246,14 @@ class SteeringPanel(widgets.VBox):
         self.header.value = (
             f"<b>{html.escape(TITLE)}</b>{message_html(text, error=error, details=details)}"
         )
+
+
+class _Stopped(Exception):
+    """Generate stopped by Cancel before ``stage``."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(stage)
+        self.stage = stage
 
 
 def _list_box(placeholder: str, prompts: Sequence[str]) -> widgets.Textarea:

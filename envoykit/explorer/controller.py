@@ -113,8 +113,8 @@ class LensExplorer(LensRuns, Pins, CompareMode, TrajectoryView, CellPanels, Expl
         if translator is not None:
             self.set_translator(translator)
         self._connect()
-        if not readonly:  # the kernel's stop button stops a Run as Cancel does
-            self._listener = interrupt.listen(self.work, lambda: self._stop_run(by_interrupt=True))
+        if not readonly:
+            interrupt.listen(self)
         self.steering_panel = None if readonly else self._add_steering_panel()
         self.corpus_panel = None if readonly else self._add_corpus_panel()
         self.training_panel = None if readonly else self._add_training_panel()

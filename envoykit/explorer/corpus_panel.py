@@ -93,6 +93,7 @@ class CorpusPanel(widgets.VBox):
         self.cancel_button = widgets.Button(description="Cancel", icon="stop", disabled=True)
         self._cancel = StopFlag()
         self.cancel_button.on_click(lambda _: self._stop())
+        interrupt.listen(self)
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="tokens", layout={"width": "320px"}
         )
@@ -107,7 +108,6 @@ class CorpusPanel(widgets.VBox):
                 f"the corpus lens failed: {why}", error=True, details=details
             ),
         )
-        self._listener = interrupt.listen(self.work, lambda: self._stop(interrupt=True))
         self.button.on_click(lambda _: self.start())
         super().__init__(
             [
@@ -126,6 +126,14 @@ class CorpusPanel(widgets.VBox):
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.work.wait(timeout)
+
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): stop the work in flight
+        as Cancel does; whether there was any."""
+        if not self.work.busy:
+            return False
+        self._stop(interrupt=True)
+        return True
 
     def _stop(self, *, interrupt: bool = False) -> None:
         """Cancel (or an interrupt): the batch in flight stops on the ranks at its next chunk

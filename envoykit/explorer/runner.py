@@ -96,9 +96,13 @@ class LensRuns(ExplorerState):
         while a finished lens is drawn has nothing to stop, and says nothing)."""
         return self._stop_run(by_interrupt=False)
 
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): `cancel`, said as
+        "interrupted"."""
+        return self._stop_run(by_interrupt=True)
+
     def _stop_run(self, *, by_interrupt: bool) -> bool:
-        """`cancel`, by the Cancel button or by the kernel's stop button
-        (`envoykit.explorer.interrupt`), which is said as "interrupted"."""
+        """`cancel`, by the Cancel button or by a kernel interrupt."""
         self.work.drop_waiting()
         self.cells.drop_waiting()
         engine, run = self.engine, self.work.thread

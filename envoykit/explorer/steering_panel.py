@@ -113,8 +113,16 @@ class SteeringPanel(widgets.VBox):
         self.button.on_click(lambda _: self.work.start(self.generate))
         self._cancel = StopFlag()
         self.cancel_button.on_click(lambda _: self._stop())
-        self._listener = interrupt.listen(self.work, lambda: self._stop(interrupt=True))
+        interrupt.listen(self)
         self.say(HINT)
+
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): stop Generate as Cancel
+        does; whether it was running."""
+        if not self.work.busy:
+            return False
+        self._stop(interrupt=True)
+        return True
 
     def _stop(self, *, interrupt: bool = False) -> None:
         """Cancel: Generate stops before its next stage (the vector, the plain continuation,

@@ -69,11 +69,11 @@ class SweepPanel(widgets.VBox):
         )
         self._cancel = StopFlag()
         self.cancel_button.on_click(lambda _: self._cancel.set())
+        interrupt.listen(self)
         self.work = Background(
             "envoykit-sweep",
             lambda why, details: self.say(f"the sweep failed: {why}", error=True, details=details),
         )
-        self._listener = interrupt.listen(self.work, lambda: self._cancel.set(interrupt=True))
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="layers", layout=widgets.Layout(width="320px")
         )
@@ -110,6 +110,14 @@ class SweepPanel(widgets.VBox):
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a sweep `start` began; whether it has finished."""
         return self.work.wait(timeout)
+
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): stop the work in flight
+        as Cancel does; whether there was any."""
+        if not self.work.busy:
+            return False
+        self._cancel.set(interrupt=True)
+        return True
 
     def run(
         self, engine: Any, source: str, target: str, *, layers: Sequence[int], target_token: int

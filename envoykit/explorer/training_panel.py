@@ -62,6 +62,7 @@ class TrainingPanel(widgets.VBox):
         )
         self._stop = StopFlag()
         self.cancel_button.on_click(lambda _: self._stop.set())
+        interrupt.listen(self)
         self.progress = widgets.IntProgress(
             value=0, min=0, max=1, description="seconds", layout={"width": "320px"}
         )
@@ -71,7 +72,6 @@ class TrainingPanel(widgets.VBox):
             "envoykit-train",
             lambda why, details: self.say(f"training failed: {why}", error=True, details=details),
         )
-        self._listener = interrupt.listen(self.work, lambda: self._stop.set(interrupt=True))
         self.button.on_click(lambda _: self.start())
         row = [self.seconds, self.button, self.cancel_button, self.progress]
         super().__init__([self.header, widgets.HBox(row, layout={"flex_flow": "row wrap"})])
@@ -84,6 +84,14 @@ class TrainingPanel(widgets.VBox):
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.work.wait(timeout)
+
+    def interrupt(self) -> bool:
+        """The kernel's stop button (`envoykit.explorer.interrupt`): stop the work in flight
+        as Cancel does; whether there was any."""
+        if not self.work.busy:
+            return False
+        self._stop.set(interrupt=True)
+        return True
 
     def run(self) -> TunedLens | None:
         """Train within the seconds shown; the tuned lens, or None when refused (the reason

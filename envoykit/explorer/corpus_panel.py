@@ -130,10 +130,7 @@ class CorpusPanel(widgets.VBox):
     def interrupt(self) -> bool:
         """The kernel's stop button (`envoykit.explorer.interrupt`): stop the work in flight
         as Cancel does; whether there was any."""
-        if not self.work.busy:
-            return False
-        self._stop(interrupt=True)
-        return True
+        return interrupt.stop_in_flight(self.work.busy, lambda: self._stop(interrupt=True))
 
     def _stop(self, *, interrupt: bool = False) -> None:
         """Cancel (or an interrupt): the batch in flight stops on the ranks at its next chunk

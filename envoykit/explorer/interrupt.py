@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 from envoykit import _compat as compat
@@ -64,3 +65,16 @@ class StopFlag:
     def word(self) -> str:
         """What stopped the work, as the panel says it."""
         return "interrupted" if self.by_interrupt else "cancelled"
+
+    @property
+    def doing(self) -> str:
+        """What the panel says while the stop acts."""
+        return "interrupting" if self.by_interrupt else "cancelling"
+
+
+def stop_in_flight(busy: bool, stop: Callable[[], object]) -> bool:
+    """A panel's answer to the kernel's stop button: ``stop()`` (its Cancel, told it is an
+    interrupt) when its work is ``busy``; whether it was."""
+    if busy:
+        stop()
+    return busy

@@ -25,7 +25,6 @@ from envoykit.analyses.request import Row, token_ids
 from envoykit.errors import Cancelled
 from envoykit.explorer import rows
 from envoykit.explorer.current_run import CurrentRun
-from envoykit.explorer.interrupt import StopFlag
 from envoykit.explorer.layout import typed_targets
 from envoykit.explorer.outputs import ENGINE_ERRORS
 from envoykit.explorer.state import ExplorerState
@@ -109,7 +108,7 @@ class LensRuns(ExplorerState):
         if engine is None or run is None or not run.is_alive() or self._drawing.is_set():
             return False
         self._cancelling.set(interrupt=by_interrupt)
-        self.status.value = f"<i>{_doing(self._cancelling)}…</i>"
+        self.status.value = f"<i>{self._cancelling.doing}…</i>"
 
         # A Cancel heard before the lens is on the ranks (while its request is checked and
         # tokenized) waits for it: `engine.cancel` stops only a lens in flight. It stops
@@ -138,7 +137,7 @@ class LensRuns(ExplorerState):
 
         def say(elapsed: float) -> None:
             if self._cancelling.is_set():
-                self.status.value = f"<i>{_doing(self._cancelling)}…</i>"
+                self.status.value = f"<i>{self._cancelling.doing}…</i>"
                 return
             left = ""
             if expected is not None:
@@ -230,11 +229,6 @@ class LensRuns(ExplorerState):
 
     def _second_prompt(self) -> str | None:
         return self.other_prompt.value if self.compare.value else None
-
-
-def _doing(stop: StopFlag) -> str:
-    """What the status line says while ``stop`` acts."""
-    return "interrupting" if stop.by_interrupt else "cancelling"
 
 
 def _other_request(request: dict[str, Any], other: str | None) -> dict[str, Any] | None:

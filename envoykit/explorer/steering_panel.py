@@ -119,10 +119,7 @@ class SteeringPanel(widgets.VBox):
     def interrupt(self) -> bool:
         """The kernel's stop button (`envoykit.explorer.interrupt`): stop Generate as Cancel
         does; whether it was running."""
-        if not self.work.busy:
-            return False
-        self._stop(interrupt=True)
-        return True
+        return interrupt.stop_in_flight(self.work.busy, lambda: self._stop(interrupt=True))
 
     def _stop(self, *, interrupt: bool = False) -> None:
         """Cancel: Generate stops before its next stage (the vector, the plain continuation,

@@ -114,10 +114,7 @@ class SweepPanel(widgets.VBox):
     def interrupt(self) -> bool:
         """The kernel's stop button (`envoykit.explorer.interrupt`): stop the work in flight
         as Cancel does; whether there was any."""
-        if not self.work.busy:
-            return False
-        self._cancel.set(interrupt=True)
-        return True
+        return interrupt.stop_in_flight(self.work.busy, lambda: self._cancel.set(interrupt=True))
 
     def run(
         self, engine: Any, source: str, target: str, *, layers: Sequence[int], target_token: int

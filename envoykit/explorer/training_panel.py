@@ -88,10 +88,7 @@ class TrainingPanel(widgets.VBox):
     def interrupt(self) -> bool:
         """The kernel's stop button (`envoykit.explorer.interrupt`): stop the work in flight
         as Cancel does; whether there was any."""
-        if not self.work.busy:
-            return False
-        self._stop.set(interrupt=True)
-        return True
+        return interrupt.stop_in_flight(self.work.busy, lambda: self._stop.set(interrupt=True))
 
     def run(self) -> TunedLens | None:
         """Train within the seconds shown; the tuned lens, or None when refused (the reason
@@ -105,8 +102,9 @@ class TrainingPanel(widgets.VBox):
         def say(elapsed: float) -> None:
             self.progress.value = min(budget, round(elapsed))
             if self._stop.is_set():
-                doing = "interrupting" if self._stop.by_interrupt else "cancelling"
-                self._head(f"{doing}: training stops within its piece of work in flight…")
+                self._head(
+                    f"{self._stop.doing}: training stops within its piece of work in flight…"
+                )
                 return
             left = max(0.0, budget - elapsed)
             self._head(f"training: {duration(elapsed)} so far, at most {duration(left)} left")

@@ -34,8 +34,10 @@ from envoykit.runtime.cleanup import SHM as _SHM
 from envoykit.runtime.cleanup import descendants as _descendants
 from envoykit.runtime.cleanup import engine_semaphores as _engine_semaphores
 from envoykit.runtime.cleanup import mapped_segments as _mapped_segments
+from envoykit.runtime.cleanup import orphans_since as _orphans_since
 from envoykit.runtime.cleanup import shutdown as _shutdown
 from envoykit.runtime.cleanup import stop as _stop
+from envoykit.runtime.cleanup import unlink_segment as _unlink_segment
 from envoykit.runtime.info import (
     DEFAULT_DTYPE,
     DEFAULT_LOG_LEVEL,
@@ -153,13 +155,16 @@ class EngineLifetime:
         not_adopted = [p.pid for p in already_running] + forkserver.running()
         watcher = Janitor([scratch], existing=not_adopted)
         not_the_engine = {*already_running, psutil.Process(watcher.pid)}
+        shared_memory = set(os.listdir(_SHM))
         try:
             with forkserver.engine_core() if fork_core else contextlib.nullcontext():
                 llm = self._spawn(workers, env, scratch, steps)
         except BaseException as error:
             steps.close()
             _stop(_descendants() - not_the_engine)
-            watcher.release()  # it removes what the stopped processes had mapped
+            for name in _orphans_since(shared_memory):
+                _unlink_segment(name)
+            watcher.release()  # it removes what the stopped processes were seen to map
             if isinstance(error, Exception) and not isinstance(error, EnvoykitError):
                 raise self._failed_start(error) from error
             raise
@@ -187,13 +192,12 @@ class EngineLifetime:
         made = _mapped_segments(processes) | _engine_semaphores(processes)
         segments = sorted(os.path.join(_SHM, name) for name in made)
         watcher.watch([p.pid for p in self._processes], segments)
-        # vLLM names its rank processes "VLLM::Worker_TP<n>" ("VLLM::Worker" at TP=1): a dead
-        # one takes the others down, and a death wakes a call waiting on the engine core.
-        # (vLLM's entry point read when needed, not kept: a served engine drops it at close)
-        ranks = [p.pid for p in self._processes if "Worker" in _name(p)]
+        # A dead process takes the others down, and a death wakes a call waiting on the
+        # engine core. (vLLM's entry point read when needed, not kept: a served engine drops
+        # it at close)
         rank_watch = RankWatch(
             [p.pid for p in self._processes],
-            ranks,
+            lambda: _mapped_segments(processes) | _engine_semaphores(processes),
             lambda: wake_waiting_client(llm.vllm_entrypoint),
         )
         self._finalizer = weakref.finalize(
@@ -493,16 +497,6 @@ class Engine(EngineLifetime, EngineSurface):
         # Trace code that names the engine (``engine.model.lm_head(...)``) is shipped to the
         # ranks; there the engine is its envoy tree, which nnsight maps to the rank's own.
         return (_OnRank, (self.model,))
-
-
-def _name(process: Any) -> str:
-    """``process``'s name, "" once it is gone."""
-    import psutil
-
-    try:
-        return process.name()
-    except psutil.Error:
-        return ""
 
 
 class _OnRank:

@@ -24,6 +24,16 @@ pytestmark = pytest.mark.engine
 PROMPT = "The capital of France is"
 
 
+@pytest.fixture(autouse=True)
+def nothing_left_in_shared_memory():
+    """No fault leaves a segment in /dev/shm: the engines shared by tests start before this
+    (a session's fixtures come first), so what a test adds is what its own engines, killed
+    or closed, left behind."""
+    before = set(os.listdir("/dev/shm"))
+    yield
+    assert set(os.listdir("/dev/shm")) <= before
+
+
 def call_in_thread(fn) -> tuple[threading.Thread, dict]:
     """Start ``fn`` in a thread; its result or error lands in the returned dict."""
     box: dict = {"began": time.monotonic()}

@@ -89,12 +89,15 @@ def shutdown(
     holds that list): a rank that died before ``close()`` is no longer there to ask. The
     janitor, which would do the same had this process been killed, is told the engine is
     closed and exits. The ``rank_watch`` (`envoykit.runtime.rank_watch`) stops first: ranks
-    leaving one after the other are a close, not a death.
+    leaving one after the other are a close, not a death; what it read before killing a
+    dead engine's processes is unlinked too.
     """
+    left_behind: set[str] = set()
     if rank_watch is not None:
         rank_watch.stop()
+        left_behind = rank_watch.left_behind
     at_start = {os.path.basename(p) for p in janitor.paths if os.path.dirname(p) == SHM}
-    segments = at_start | mapped_segments(processes) | engine_semaphores(processes)
+    segments = at_start | left_behind | mapped_segments(processes) | engine_semaphores(processes)
     entry = getattr(llm, "vllm_entrypoint", None)
     if entry is not None:
         # A dead engine core has nothing left to stop; what is left of it is stopped below.
@@ -105,6 +108,22 @@ def shutdown(
         unlink_segment(name)
     shutil.rmtree(scratch, ignore_errors=True)
     janitor.release()
+
+
+def orphans_since(before: set[str]) -> set[str]:
+    """Segments in /dev/shm made since the listing ``before`` that no process maps now.
+
+    For a start that failed: its ranks can map a segment (vLLM's CPU all-reduce buffers)
+    and die between two of the janitor's looks, and then no process can be asked what it
+    made. A segment another engine made meanwhile is mapped by that engine's processes and
+    is left alone.
+    """
+    new = set(os.listdir(SHM)) - before
+    if not new:
+        return set()
+    everyone = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    mapped = {os.path.basename(path) for path in _janitor.mapped_shm(everyone)}
+    return new - mapped
 
 
 def stop_engine_core(entry: Any) -> None:

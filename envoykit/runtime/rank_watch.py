@@ -7,9 +7,12 @@ surviving rank is usually inside a collective with the dead one, in C++ code tha
 signal handler interrupts, so it sits out both waits: a killed rank became `EngineDead` about
 10 s later at TP=2, whatever the engine was doing. Nothing of a rank is worth waiting for
 once a peer is gone (its collectives can never complete), so this watch kills the survivors
-the moment one rank exits, and the core reports the death within a second. Their shared
-memory is unlinked by the engine's own shutdown (`envoykit.runtime.cleanup.shutdown`), which
-knows every segment they mapped.
+the moment one rank exits. It kills the engine core too: the core has nothing left to run,
+and the close that follows an `EngineDead` waits up to 5 s more for a live core to
+exit after vLLM's SIGTERM (a collect's `EngineDead` once came 4.9 s after the kill so).
+The segments every process has mapped are read before the kill, since a killed process can
+no longer be asked; the engine's shutdown (`envoykit.runtime.cleanup.shutdown`) unlinks them
+(the CPU all-reduce buffers a rank maps after the start are among them).
 
 The engine core's own death is worse: vLLM's client marks the engine dead but leaves a call
 waiting for the core's next output waiting forever (a lens in flight when the core was
@@ -41,16 +44,23 @@ WAKE_EVERY = 0.1
 
 
 class RankWatch:
-    """Once any of ``pids`` (an engine's core and ranks) exits: kills every one of ``ranks``,
-    then calls ``on_death`` every `WAKE_EVERY` seconds (a call may start waiting after the
-    death); until `stop`."""
+    """Once any of ``pids`` (an engine's core and ranks) exits: records ``segments()`` (the
+    shared memory they have mapped) in `left_behind`, kills every one of them, then calls
+    ``on_death`` every `WAKE_EVERY` seconds (a call may start waiting after the death);
+    until `stop`."""
 
-    def __init__(self, pids: list[int], ranks: list[int], on_death: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        pids: list[int],
+        segments: Callable[[], set[str]],
+        on_death: Callable[[], None],
+    ) -> None:
         self._fds: dict[int, int] = {}
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):  # already gone: vLLM reports it
                 self._fds[pid] = os.pidfd_open(pid)
-        self._ranks, self._on_death = ranks, on_death
+        self._segments, self._on_death = segments, on_death
+        self.left_behind: set[str] = set()
         self._wake, self._woken = os.pipe()  # written once, by `stop`
         self._stopped = False
         self._thread = threading.Thread(target=self._watch, name="envoykit-rank-watch", daemon=True)
@@ -60,9 +70,11 @@ class RankWatch:
         ready, _, _ = select.select([*self._fds.values(), self._wake], [], [])
         if self._wake in ready:
             return
-        for pid in self._ranks:
-            with contextlib.suppress(KeyError, ProcessLookupError, OSError):
-                signal.pidfd_send_signal(self._fds[pid], signal.SIGKILL)
+        with contextlib.suppress(Exception):  # what cannot be read, the janitor's list covers
+            self.left_behind = self._segments()
+        for fd in self._fds.values():
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
         while True:
             with contextlib.suppress(Exception):  # the engine may be closing meanwhile
                 self._on_death()
@@ -70,7 +82,8 @@ class RankWatch:
                 return
 
     def stop(self) -> None:
-        """Stop watching (before a close: ranks leaving one by one are no death). Idempotent."""
+        """Stop watching (before a close: ranks leaving one by one are no death); after it,
+        `left_behind` is final. Idempotent."""
         if self._stopped:
             return
         self._stopped = True

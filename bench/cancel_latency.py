@@ -1,7 +1,7 @@
 """How soon each Cancel of the explorer acts: the seconds from the press to the end of the
-work, for a Run of a long prompt, a sweep, the corpus lens and a tuned lens's training, each
-pressed ``--after`` seconds into its work (the goal: within 3 s). The panels are driven as
-their buttons drive them, on their own threads.
+work, for a Run of a long prompt, a sweep, the corpus lens, a tuned lens's training and
+steering's Generate of 256 tokens, each pressed ``--after`` seconds into its work (the
+goal: within 3 s). The panels are driven as their buttons drive them, on their own threads.
 
     python bench/cancel_latency.py --model demo --tp 1
 """
@@ -28,7 +28,7 @@ def acted(
     start()
     time.sleep(after)
     if wait(0):
-        raise SystemExit("the work ended before its Cancel: press sooner (--after)")
+        raise SystemExit(f"{start} ended before its Cancel: press sooner (--after)")
     pressed = time.monotonic()
     cancel()
     wait()
@@ -84,6 +84,20 @@ def main() -> None:
             (
                 "tuned lens training",
                 acted(training.start, training.cancel_button.click, training.wait, args.after),
+            )
+        )
+        steering = explorer.steering_panel
+        steering.positive.value, steering.negative.value = "Love\nJoy", "Hate\nGrief"
+        steering.max_tokens.value = 256
+        rows.append(
+            (
+                "steering Generate (256 tokens)",
+                acted(
+                    steering.button.click,
+                    steering.cancel_button.click,
+                    steering.work.wait,
+                    args.after,
+                ),
             )
         )
     print(f"{args.model}, TP={args.tp}: Cancel pressed {args.after:g} s in (the sweep's 1 s in)")

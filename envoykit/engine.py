@@ -28,7 +28,7 @@ from envoykit.analyses.installed import InstalledSAEs, InstalledTranslators
 from envoykit.analyses.surface import EngineSurface
 from envoykit.errors import EngineDead, EnvoykitError, InvalidRequest
 from envoykit.model.config import read_config
-from envoykit.ranks.cancel import lower_flag, raise_flag
+from envoykit.ranks.cancel import LensCancelled, cancel_message, flag_path, lower_flag, raise_flag
 from envoykit.runtime import forkserver, logs, models, platform
 from envoykit.runtime.cleanup import SHM as _SHM
 from envoykit.runtime.cleanup import descendants as _descendants
@@ -351,6 +351,31 @@ class Engine(EngineLifetime, EngineSurface):
         if self._validate:
             steps.set_description(f"{self._source.name}: self-check")
             self._checks = selfcheck.run(self)
+
+    @contextlib.contextmanager
+    def _stoppable(self, key: str) -> Iterator[None]:
+        """`exclusive`, with vLLM's steps checked for the cancel flag of ``key``: once it is
+        up, the requests in flight are aborted before the next step and the work raises
+        as a cancel on the ranks would. A generation needs this: a rank's error ends its
+        part of the trace, but nnsight keeps the request scheduled to its last token."""
+        with self.exclusive():
+            assert self.scratch is not None  # a request runs on a started engine
+            engine, flag = self.model.vllm_entrypoint.llm_engine, flag_path(self.scratch, key)
+            step = engine.step
+
+            def step_unless_cancelled() -> Any:
+                if os.path.exists(flag):
+                    unfinished = list(engine.output_processor.request_states)
+                    if unfinished:
+                        engine.abort_request(unfinished, internal=True)
+                    raise LensCancelled(cancel_message(key))
+                return step()
+
+            engine.step = step_unless_cancelled
+            try:
+                yield
+            finally:
+                del engine.step  # the class's own again
 
     def _raise_cancel_flag(self, key: str) -> None:
         assert self.scratch is not None  # a lens in flight runs on a started engine

@@ -284,6 +284,28 @@ def test_cancel_stops_the_corpus_lens_inside_its_batch(tiny2):
     np.testing.assert_array_equal(again.document_sums, expected.document_sums)
 
 
+@pytest.mark.parametrize("steered", [False, True], ids=["plain", "steered"])
+def test_cancel_stops_a_generation_on_the_ranks(tiny2, steered):
+    """engine.cancel(thread) stops a long greedy generation between two steps: a steered
+    one, and a plain one in a trace (``cancellable=True``, which a plain vLLM request is
+    not); it raises ek.Cancelled, leaves no flag, and the next generation is as before,
+    with the plain one in a trace giving vLLM's own ids."""
+    steer = ek.Steer(np.ones(tiny2.info.d_model, dtype=np.float32), 1, scale=0.5)
+    options = {"steer": steer} if steered else {"cancellable": True}
+    expected = tiny2.generate(PROMPT, 8, **options)
+    if not steered:
+        assert expected.token_ids == tiny2.generate(PROMPT, 8).token_ids
+    thread, box = call_in_thread(lambda: tiny2.generate(PROMPT, 240, **options))
+    cancel_when_started(tiny2, thread)
+    thread.join(120)
+    assert not thread.is_alive()
+    error = box.get("error")
+    assert isinstance(error, ek.Cancelled), box
+    assert "the steered generation was cancelled" in str(error)
+    assert not [n for n in os.listdir(tiny2.scratch) if n.startswith("envoykit-cancel-")]
+    assert tiny2.generate(PROMPT, 8, **options).token_ids == expected.token_ids
+
+
 def test_interrupt_during_sweep_leaves_engine_usable(tiny2):
     """Ctrl-C during a causal-tracing sweep stops it and the engine serves the next sweep."""
     sweep = lambda: tiny2.patch_sweep(  # noqa: E731

@@ -9,6 +9,8 @@ within 1e-4 (relative to its norm); a sweep's scale equals that steer run alone 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -291,6 +293,28 @@ class TestPanel:
         assert panel.steered is None and panel.steered_view.value == ""
         assert not panel.button.disabled and panel.cancel_button.disabled
         panel.header.unobserve(press_cancel, "value")
+        assert panel.generate().token_ids == tuple(
+            tiny2.generate(PROMPT, 4, steer=ek.Steer(panel.vector, 2)).token_ids
+        )
+
+    def test_cancel_stops_a_continuation_in_flight(self, tiny2):
+        """Cancel pressed while the plain continuation of 240 tokens is being generated
+        stops it on the ranks (a plain vLLM request would run to its end, and Generate would
+        stop only before the steered one), and the next Generate runs whole."""
+        from envoykit.explorer import SteeringPanel
+
+        panel = SteeringPanel(
+            tiny2, prompt=PROMPT, positive=POSITIVE, negative=NEGATIVE, layer=2, max_tokens=240
+        )
+        panel.button.click()
+        while panel._at != "the plain continuation":
+            time.sleep(0.001)
+        while not tiny2.cancel(panel.work.thread):  # the generation's trace has begun
+            time.sleep(0.001)
+        assert panel.work.wait(120)
+        assert "cancelled during the plain continuation; the engine is free" in panel.header.value
+        assert panel.plain is None and panel.steered is None
+        panel.max_tokens.value = 4
         assert panel.generate().token_ids == tuple(
             tiny2.generate(PROMPT, 4, steer=ek.Steer(panel.vector, 2)).token_ids
         )

@@ -67,10 +67,12 @@ class EngineBase:
     def cancel(self, thread: threading.Thread | None = None) -> str | None:
         """Stop a lens in flight, started on another thread (the explorer's Run, a
         notebook's background work): the ranks stop it before its next chunk of reductions
-        (`envoykit.ranks.cancel`), and it raises `ek.Cancelled`. The engine serves the next
-        request as usual. ``thread``: the thread whose lens to stop; without it, the lens on
-        the ranks now (or the one lens waiting for them). Returns the stopped lens's cancel
-        key, None (falsy) when no such lens was in flight."""
+        (`envoykit.ranks.cancel`), and it raises `ek.Cancelled`; the corpus lens and a
+        steered generation (or ``generate(..., cancellable=True)``) stop the same way,
+        between two steps. The engine serves the next request as usual. ``thread``: the
+        thread whose lens to stop; without it, the lens on the ranks now (or the one lens
+        waiting for them). Returns the stopped lens's cancel key, None (falsy) when no such
+        lens was in flight."""
         key = self._lenses_in_flight.key(thread)
         if key is not None:
             self._raise_cancel_flag(key)
@@ -93,7 +95,7 @@ class EngineBase:
         in_flight = self._lenses_in_flight
         with in_flight.lens() as key:
             try:
-                yield key, in_flight.guard(key, self.exclusive)
+                yield key, in_flight.guard(key, lambda: self._stoppable(key))
             except Exception as error:
                 if is_cancellation(error, key):
                     raise Cancelled(
@@ -103,6 +105,11 @@ class EngineBase:
                 raise
             finally:
                 self._lower_cancel_flag(key)
+
+    def _stoppable(self, key: str) -> AbstractContextManager:
+        """The engine's guard for the work of cancel key ``key``: `exclusive`. An engine
+        that steps vLLM in this process also stops between two steps there."""
+        return self.exclusive()
 
     def _raise_cancel_flag(self, key: str) -> None:
         """Put up the cancel flag of lens ``key`` where its ranks look."""

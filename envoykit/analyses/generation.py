@@ -34,20 +34,27 @@ def generate(
     max_tokens: int = 16,
     *,
     steer: Steer | Sequence[Steer] | None = None,
+    cancellable: bool = False,
 ) -> Generation:
     """Greedy continuation of ``prompt``: a `Generation`, the text itself (a ``str``)
     with its ``token_ids``. Plain vLLM generation, or with ``steer`` (an `ek.Steer`, or a
     list of them, which add up) the steered one, every step steered on the ranks; its
-    ``meta["steer"]`` says so."""
+    ``meta["steer"]`` says so.
+
+    A steered generation stops after any step on `engine.cancel` (`Cancelled`). A plain
+    one is one vLLM request that runs to its end, unless ``cancellable``: then it runs in
+    a trace like a steered one, with the same ids.
+    """
     from envoykit.results.steering import Generation
 
     steers = steering.engine_steers(engine, steer)
-    if not steers:
+    if not steers and not cancellable:
         prompt, _, max_tokens = generation_ids(engine, prompt, max_tokens)  # not by vLLM
         output = engine._greedy(prompt, max_tokens)
         return Generation(output.text, output.token_ids)
     (ids,), meta, _ = steered_ids(engine, prompt, [steers], max_tokens)
-    return Generation(engine.tokenizer.decode(ids, skip_special_tokens=True), ids, meta)
+    text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    return Generation(text, ids, meta) if steers else Generation(text, ids)
 
 
 def generate_ids(
@@ -101,9 +108,10 @@ def steered_ids(
         steering.plan_additions(steers, info.n_layers, info.d_model, len(ids)) for steers in runs
     ]
     where = None if lens is None else (*lens, len(ids) - 1)
-    found, stats = generated_ids(
-        engine.model, engine.readout, prompt, planned, max_tokens, engine.exclusive, where
-    )
+    with engine._cancellable("the steered generation") as (cancel, guard):
+        found, stats = generated_ids(
+            engine.model, engine.readout, prompt, planned, max_tokens, guard, where, cancel
+        )
     stops = stop_ids(engine.tokenizer)
     meta = {**engine._result_meta(), "steer": [s.describe() for s in runs[-1]]}
     meta.pop("vocab")
@@ -173,16 +181,20 @@ def generated_ids(
     max_tokens: int,
     guard: Callable[[], AbstractContextManager],
     lens: tuple[Sequence[int], Sequence[int], int] | None = None,
+    cancel: str | None = None,
 ) -> tuple[list[list[int]], list[dict[str, torch.Tensor]] | None]:
     """Greedy generations of ``prompt``, one invoke per run of ``runs`` (each with its own
     additions), in one trace under ``guard``; stop tokens are not cut here (`until_stop`).
 
     ``lens`` = (layers, target ids, position): each run also reduces on the ranks the lens
     at that prompt position of those layers' streams after steering (top 1 and the targets'
-    probabilities), from the prompt's own pass.
+    probabilities), from the prompt's own pass. ``cancel``: the key whose flag stops the
+    generation on the ranks after any step (`envoykit.ranks.cancel`), since vLLM would
+    only stop a request it was asked to abort.
     """
     import nnsight
 
+    from envoykit.ranks.cancel import stop_if_cancelled
     from envoykit.ranks.lens import lens_statistics
 
     layer_list = at(model, readout.layers)
@@ -203,7 +215,10 @@ def generated_ids(
                             norm, head.vocab_shard(), streams, where, 1, targets
                         )
                         stats.append({key: value.cpu() for key, value in found.items()})
-                    samples.append(model.samples.cpu())
+                    sample = model.samples
+                    samples.append(sample.cpu())
+                    if cancel is not None:
+                        stop_if_cancelled(head.vocab_shard(), cancel, sample.device)
     if len(runs) == 1:
         samples, stats = [samples], [stats]
     ids = [[int(s.flatten()[0]) for s in run] for run in samples]

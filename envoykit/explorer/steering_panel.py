@@ -112,6 +112,7 @@ class SteeringPanel(widgets.VBox):
         )
         self.button.on_click(lambda _: self.work.start(self.generate))
         self._cancel = StopFlag()
+        self._at = "the vector"  # the stage of Generate that a Cancel would stop now
         self.cancel_button.on_click(lambda _: self._stop())
         interrupt.listen(self)
         self.say(HINT)
@@ -123,8 +124,8 @@ class SteeringPanel(widgets.VBox):
 
     def _stop(self, *, interrupt: bool = False) -> None:
         """Cancel: Generate stops before its next stage (the vector, the plain continuation,
-        the steered one, the diff), and the diff's lens in flight stops on the ranks. A
-        continuation being generated is one request to vLLM and runs to its end."""
+        the steered one, the diff); a continuation being generated stops on the ranks
+        after its step in flight, and the diff's lens after its chunk in flight."""
         self._cancel.set(interrupt=interrupt)
         self.engine.cancel(self.work.thread)
 
@@ -150,7 +151,7 @@ class SteeringPanel(widgets.VBox):
             description="Cancel",
             icon="stop",
             disabled=True,
-            tooltip="stop before the next stage: the vector, each continuation, the diff",
+            tooltip="stop the vector, a continuation or the diff in flight",
         )
 
     def generate(self) -> Generation | None:
@@ -162,8 +163,8 @@ class SteeringPanel(widgets.VBox):
             self.say("building the vector and generating…")
             return self._generate()
         except (_Stopped, Cancelled) as stopped:
-            where = f"before {stopped.stage}" if isinstance(stopped, _Stopped) else "in the diff"
-            self.say(f"{self._cancel.word} {where}; the engine is free", error=True)
+            where = "before" if isinstance(stopped, _Stopped) else "during"
+            self.say(f"{self._cancel.word} {where} {self._at}; the engine is free", error=True)
             return None
         except ENGINE_ERRORS as err:
             self.say(str(err), error=True)
@@ -173,9 +174,11 @@ class SteeringPanel(widgets.VBox):
             self._cancel.clear()  # a Cancel is for the Generate it stopped
 
     def _stage(self, stage: str) -> None:
-        """Before ``stage``: `_Stopped` once Cancel (or an interrupt) came."""
+        """Before ``stage``: `_Stopped` once Cancel (or an interrupt) came; else ``stage``
+        is what a Cancel from now on stops."""
+        self._at = stage
         if self._cancel.is_set():
-            raise _Stopped(stage)
+            raise _Stopped()
 
     def _generate(self) -> Generation:
         engine, prompt = self.engine, self.prompt.value
@@ -186,7 +189,7 @@ class SteeringPanel(widgets.VBox):
         )
         tokens = self.max_tokens.value
         self._stage("the plain continuation")
-        plain = engine.generate(prompt, tokens)
+        plain = engine.generate(prompt, tokens, cancellable=True)
         self._stage("the steered continuation")
         steered = engine.generate(prompt, tokens, steer=steer)
         targets = typed_targets(self.targets.value)
@@ -246,11 +249,7 @@ class SteeringPanel(widgets.VBox):
 
 
 class _Stopped(Exception):
-    """Generate stopped by Cancel before ``stage``."""
-
-    def __init__(self, stage: str) -> None:
-        super().__init__(stage)
-        self.stage = stage
+    """Generate stopped by Cancel before its next stage."""
 
 
 def _list_box(placeholder: str, prompts: Sequence[str]) -> widgets.Textarea:

@@ -62,10 +62,11 @@ def is_cancellation(error: BaseException, key: str) -> bool:
     """Whether ``error``, raised by the trace of lens ``key``, is its ranks' `LensCancelled`.
     The trace hands a rank's error back as a ``RuntimeError`` carrying its text (so
     measured, in process and through a server), hence the text is what is matched."""
-    return _message(key) in str(error)
+    return cancel_message(key) in str(error)
 
 
-def _message(key: str) -> str:
+def cancel_message(key: str) -> str:
+    """What the error of a cancelled lens ``key`` says, wherever it was raised."""
     return f"lens {key} cancelled"
 
 
@@ -77,4 +78,4 @@ def stop_if_cancelled(shard: VocabShard, key: str | None, device: torch.device) 
     seen = os.path.exists(flag_path(tempfile.gettempdir(), key))
     flags = shard.gather(torch.tensor([float(seen)], device=device))
     if bool(flags.max() > 0):
-        raise LensCancelled(_message(key))
+        raise LensCancelled(cancel_message(key))

@@ -1404,6 +1404,27 @@ def back_to_unpatched_and_a_heads_pattern(
     wait_for(lambda: pattern.count() > 0, 60, "the head's whole pattern")
 
 
+def steer_the_prompt(page: Any, state: Callable[[], dict]) -> None:
+    """Steering as a newcomer types it: both prompt lists, then Generate; the plain and the
+    steered continuation are shown, and the diff measures the explorer's first target
+    until another is picked: its first token here, as the lens does (' Paris' and ' London'
+    are several tokens to the tiny model, and both begin with ' ', measured once)."""
+    open_tab(page, "Steering")
+    view = page.locator(".ek-steering")
+    view.get_by_placeholder("positive prompts, one per line").fill("I love it\nwhat a great day")
+    view.get_by_placeholder("negative prompts, one per line").fill("I hate it\nwhat awful news")
+    view.locator("button.widget-button", has_text="Generate").click()
+    done = wait_for(lambda: state().get("steering"), 120, "Generate")
+    shown = view.locator(".ek-continuation")
+    wait_for(lambda: shown.count() == 2, 30, "both continuations")
+    # Compared without whitespace: the browser's text turns the model's "\r" into a break.
+    texts = ["".join(element.inner_text().split()) for element in shown.all()]
+    kernel = ["".join(done[which].split()) for which in ("plain", "steered")]
+    assert texts[0].endswith(kernel[0]) and texts[1].endswith(kernel[1]), (texts, kernel)
+    assert done["tokens"] == [" "] and done["measures"] == done["labels"][0], done
+    view.locator(".ek-steer-diff .ek-heatmap[data-drawn]").wait_for(timeout=30000)
+
+
 def train_cancel_and_interrupt(page: Any, state: Callable[[], dict], run_button: Any) -> float:
     """The training panel as a newcomer uses it: a short budget is kept within 10% (the
     kernel times the Train button's busy span); Cancel pressed during a long training acts
@@ -1588,6 +1609,9 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         back_to_unpatched_and_a_heads_pattern(page, state, run_button)
         whitespace_is_marked(page, state)
         timings["unpatched + heads + labels"] = time.monotonic() - t
+        t = time.monotonic()
+        steer_the_prompt(page, state)
+        timings["steering"] = time.monotonic() - t
         t = time.monotonic()
         timings["Cancel acted in"] = train_cancel_and_interrupt(page, state, run_button)
         timings["training + cancel + interrupt"] = time.monotonic() - t

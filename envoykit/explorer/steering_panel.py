@@ -192,7 +192,7 @@ class SteeringPanel(widgets.VBox):
         plain = engine.generate(prompt, tokens, cancellable=True)
         self._stage("the steered continuation")
         steered = engine.generate(prompt, tokens, steer=steer)
-        targets = typed_targets(self.targets.value)
+        targets = measured_targets(engine.tokenizer, typed_targets(self.targets.value))
         self._stage("the diff")
         comparison = compare((engine, prompt), Run(engine, prompt, steer=steer), targets=targets)
         self.plain, self.steered, self.comparison = plain, steered, comparison
@@ -201,7 +201,12 @@ class SteeringPanel(widgets.VBox):
             f"steered: layer {vector.layer}, strength {steer.scale:+g}", prompt, steered
         )
         self.diff.data = compare_data(comparison, ("plain", "steered"))
-        self.measure.offer([(repr(label), label) for label in comparison.target_labels])
+        self.measure.offer(
+            [
+                (repr(token), label)
+                for label, token in zip(comparison.target_labels, comparison.target_tokens)
+            ]
+        )
         self._show_measure()
         self._head(
             f"vector: {vector.label}, norm {vector.norm:.4g}; rows before layer "
@@ -250,6 +255,22 @@ class SteeringPanel(widgets.VBox):
 
 class _Stopped(Exception):
     """Generate stopped by Cancel before its next stage."""
+
+
+def measured_targets(tokenizer: Any, typed: Sequence[str]) -> list[str | int]:
+    """The tokens the diff measures for the targets typed in the explorer: a target of one
+    token as typed, and of several its first token's id, the token the explorer's lens
+    measures and says it measures (the diff itself takes single tokens only). A target
+    that tokenizes to nothing is left out (the explorer says so), and a token is measured
+    once."""
+    measured: list[str | int] = []
+    seen: set[int] = set()
+    for text in typed:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if ids and ids[0] not in seen:
+            seen.add(ids[0])
+            measured.append(text if len(ids) == 1 else ids[0])
+    return measured
 
 
 def _list_box(placeholder: str, prompts: Sequence[str]) -> widgets.Textarea:

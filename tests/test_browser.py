@@ -1474,6 +1474,40 @@ def train_cancel_and_interrupt(page: Any, state: Callable[[], dict], run_button:
     return acted
 
 
+def cells_fill_their_room(page: Any) -> None:
+    """The main heatmap's cells fill its half of the explorer's row, from 52 px up to
+    96 px: no wider cell would fit, and the panel stays beside the heatmap; on a wide
+    screen (1920 px) they grow past 52 px."""
+    for wide in (False, True):
+        if wide:
+            before = page.viewport_size
+            page.set_viewport_size({"width": 1920, "height": 1000})
+            page.wait_for_timeout(500)
+        found = page.evaluate(
+            """() => {
+                const root = document.querySelector('.ek-main-heatmap .ek-heatmap');
+                const row = root.closest('.ek-beside');
+                const panels = row.querySelector('.ek-panels').getBoundingClientRect();
+                const heatmap = root.getBoundingClientRect();
+                return {
+                    cell: Number(root.dataset.cellWidth),
+                    room: row.clientWidth / 2 - 12,
+                    cells: root.querySelector('.ek-spacer').offsetWidth - 52,
+                    beside: panels.left >= heatmap.right && panels.top < heatmap.bottom,
+                };
+            }"""
+        )
+        cell, room, cells = found["cell"], found["room"], found["cells"]
+        assert 52 <= cell <= 96 and found["beside"], found
+        positions = cells // cell
+        assert 52 + cells + 20 <= room or cell == 52, found  # it fits its share
+        assert cell == 96 or 52 + positions * (cell + 1) + 20 > room, found  # none wider would
+        if wide:
+            assert cell > 52, found
+            page.set_viewport_size(before)
+            page.wait_for_timeout(500)
+
+
 def fits_one_screen(page: Any) -> None:
     """At 1280 x 800 the controls, the picker, the heatmap and the open panel (attribution)
     fit in the notebook's view: scrolled to the explorer, nothing of it is below the fold."""
@@ -1485,6 +1519,7 @@ def fits_one_screen(page: Any) -> None:
     box = explorer.bounding_box()
     view = page.locator(".jp-NotebookPanel-notebook").bounding_box()
     assert box["height"] <= view["height"], (box, view)
+    cells_fill_their_room(page)
     # The open panel's figure at its own size: its 8-point legend reads at 11 px.
     scaled = page.locator(".ek-panels .ek-figure img").evaluate_all(
         "imgs => imgs.filter(img => img.offsetParent && img.clientWidth !== img.naturalWidth)"
@@ -1608,6 +1643,7 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         t = time.monotonic()
         back_to_unpatched_and_a_heads_pattern(page, state, run_button)
         whitespace_is_marked(page, state)
+        cells_fill_their_room(page)
         timings["unpatched + heads + labels"] = time.monotonic() - t
         t = time.monotonic()
         steer_the_prompt(page, state)

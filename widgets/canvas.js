@@ -6,7 +6,14 @@
 // area is a sized spacer), so 80 layers x 512 positions scrolls as smoothly as 3 x 2.
 // Tokens reach the canvas as text (fillText), never as HTML.
 
-const CELL_W = 52; // a cell's width unless its payload names one (cell_width)
+const CELL_W = 52; // a cell's narrowest width unless its payload names one (cell_width)
+const CELL_MAX_W = 96; // the widest a cell grows to fill the room the heatmap is given
+// The share of the explorer's row the main heatmap's cells fill; the open panel beside it
+// has the rest, less its margin (a narrower panel scrolls its own diff).
+const HEATMAP_SHARE = 0.5;
+const PANEL_MARGIN = 12;
+// What the scroll area adds around its cells: its borders, and a vertical scroll bar.
+const SCROLLER_EXTRA = 20;
 const CELL_H = 20;
 const LEFT = 52; // room for the layer labels
 const BOTTOM = 56; // room for the token labels
@@ -29,9 +36,40 @@ function grid(view) {
   return grids[view.model.get("metric")] || grids.prob;
 }
 
+/**
+ * The box whose width the explorer's main heatmap fits (`room`): its row. A panel's
+ * heatmaps keep their widths (a diff's cells are sized to its labels, which a narrower
+ * panel would cut), as does a standalone page's.
+ */
+const ground = (view) =>
+  view.root.closest(".ek-panels") ? null : view.root.closest(".ek-beside");
+
+/**
+ * The width the main heatmap may fill: its share of its row, the open panel having the
+ * rest (0 elsewhere: the narrowest cells). The row's width does not depend on the heatmap
+ * (its own box does), so cells fitted to it cannot push the panel under the heatmap, nor
+ * grow with their own box.
+ */
+function room(view) {
+  const box = ground(view);
+  return box ? box.clientWidth * HEATMAP_SHARE - PANEL_MARGIN : 0;
+}
+
+/**
+ * The cells' width: at least a lens's CELL_W or a diff's longest text (`cell_width`), and
+ * wider, up to CELL_MAX_W, where `room` holds every position, so tokens are cut less.
+ */
+function fittedCellW(view) {
+  const least = data(view).cell_width || CELL_W;
+  const nP = dims(view)[1];
+  if (!nP) return least;
+  const filling = Math.floor((room(view) - LEFT - SCROLLER_EXTRA) / nP);
+  return Math.max(least, Math.min(Math.max(CELL_MAX_W, least), filling));
+}
+
 // Cell (layer index, position index) -> its top-left corner in spacer coordinates.
-// A diff's cells are as wide as their longest text (`cell_width`), a lens's CELL_W.
-const cellW = (view) => data(view).cell_width || CELL_W;
+// The width is the one `layout` fitted (`fittedCellW`).
+const cellW = (view) => view.cellW || data(view).cell_width || CELL_W;
 const cellX = (view, p) => LEFT + p * cellW(view);
 const cellY = (view, l) => (dims(view)[0] - 1 - l) * CELL_H;
 
@@ -65,6 +103,8 @@ function fit(ctx, text, width) {
 function layout(view) {
   const [nL, nP] = dims(view);
   const height = nL * CELL_H + BOTTOM;
+  view.cellW = fittedCellW(view);
+  view.root.dataset.cellWidth = String(view.cellW);
   view.spacer.style.width = `${LEFT + nP * cellW(view)}px`;
   view.spacer.style.height = `${height}px`;
   view.scroller.style.height = `${Math.min(height, MAX_HEIGHT) + 16}px`;
@@ -205,6 +245,15 @@ function listenPage(view) {
   view.scroller.addEventListener("scroll", repaint);
   const resize = new ResizeObserver(() => draw(view));
   resize.observe(view.scroller);
+  // The room changed (the notebook resized, the file browser closed): the cells refit.
+  // The heatmap is placed in the page after `render`: its own box is watched until then.
+  let watched = null;
+  const refit = new ResizeObserver(() => {
+    const box = ground(view);
+    if (box && box !== watched) refit.observe((watched = box));
+    if (fittedCellW(view) !== view.cellW) layout(view);
+  });
+  refit.observe(view.root);
   // A theme switch (JupyterLab's menu, or the reader's colour scheme on the standalone page)
   // changes the --jp-* variables under the canvas, which has to be painted again.
   const themes = new MutationObserver(repaint);
@@ -213,6 +262,7 @@ function listenPage(view) {
   scheme.addEventListener("change", repaint);
   return () => {
     resize.disconnect();
+    refit.disconnect();
     themes.disconnect();
     scheme.removeEventListener("change", repaint);
   };

@@ -222,13 +222,12 @@ class ExplorerLayout(widgets.VBox):
             },
         )
         self.panels.layout = widgets.Layout(flex="1 1 360px", min_width="360px")
-        beside = {**_WRAP, "align_items": "flex-start", "overflow": "visible"}
-        return [
-            widgets.HBox([prompts, controls]),
-            self.message,
-            self.picker,
-            widgets.HBox([views, self.panels], layout=beside),
-        ]
+        beside = widgets.HBox(
+            [views, self.panels],
+            layout={**_WRAP, "align_items": "flex-start", "overflow": "visible"},
+        )
+        beside.add_class("ek-beside")  # the room the heatmap's cells fit (widgets/canvas.js)
+        return [widgets.HBox([prompts, controls]), self.message, self.picker, beside]
 
 
 def typed_targets(text: str) -> list[str]:

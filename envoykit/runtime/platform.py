@@ -67,18 +67,23 @@ def rank_environment(platform: str, tp: int) -> dict[str, str]:
 
     vLLM's ``auto`` binding asserts one NUMA node per rank, so the binding is spelled out.
     With at least as many cores as ranks each rank gets its own contiguous share (``"0,1"``
-    for one rank on two cores, ``"0|1"`` for two); with fewer, ranks share cores round-robin
-    (``"0|1|0"`` for three ranks on two cores). Measured on two cores with the demo model, one
-    rank on both cores ran the lens 1.6x faster than on one, and generation no slower.
+    for one rank on two cores, ``"0|1"`` for two); with fewer, vLLM is told the round-robin
+    binding it asks for (``"0|1|0"`` for three ranks on two cores), but each rank runs one
+    thread unbound (`envoykit.runtime.lifeline.UNBOUND_RANKS`). Measured on two cores with
+    the demo model, one rank on both cores ran the lens 1.6x faster than on one, and
+    generation no slower.
     """
     if platform != "cpu":
         return {}
+    cpus = usable_cpus()
     return {
-        "VLLM_CPU_OMP_THREADS_BIND": core_binding(usable_cpus(), tp),
+        "VLLM_CPU_OMP_THREADS_BIND": core_binding(cpus, tp),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         # The engine core forks its ranks rather than spawning them (see
         # `envoykit.runtime.lifeline.fork_ranks`): "0" spawns them as vLLM does.
         lifeline.FORK_RANKS: "1",
+        # Ranks that share cores run one thread each, unbound ("0" binds them round-robin).
+        lifeline.UNBOUND_RANKS: "1" if tp > len(cpus) else "0",
         # Deprecation notices from torch and vLLM internals (every all-gather warns once per
         # rank and call site) and torch's C++ NUMA notices say nothing a user can act on;
         # in a notebook they bury the output.

@@ -190,7 +190,8 @@ def generated_ids(
     at that prompt position of those layers' streams after steering (top 1 and the targets'
     probabilities), from the prompt's own pass. ``cancel``: the key whose flag stops the
     generation on the ranks after any step (`envoykit.ranks.cancel`), since vLLM would
-    only stop a request it was asked to abort.
+    only stop a request it was asked to abort; the first run looks for it, with one
+    exchange a step, and its error is the trace's.
     """
     import nnsight
 
@@ -203,7 +204,7 @@ def generated_ids(
     where = torch.tensor([position])
     norm, head = at(model, readout.final_norm), at(model, readout.unembedding)
     with guard(), model.trace(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) as tracer:
-        for additions in runs:
+        for run, additions in enumerate(runs):
             with tracer.invoke(prompt):
                 samples = nnsight.save([])
                 stats = nnsight.save([])
@@ -217,7 +218,7 @@ def generated_ids(
                         stats.append({key: value.cpu() for key, value in found.items()})
                     sample = model.samples
                     samples.append(sample.cpu())
-                    if cancel is not None:
+                    if cancel is not None and run == 0:  # one exchange a step is enough
                         stop_if_cancelled(head.vocab_shard(), cancel, sample.device)
     if len(runs) == 1:
         samples, stats = [samples], [stats]

@@ -51,6 +51,7 @@ from envoykit.runtime.info import (
 )
 from envoykit.runtime.janitor import Janitor
 from envoykit.runtime.rank_watch import RankWatch, wake_waiting_client
+from envoykit_vllm_plugin import ENGINE
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -141,7 +142,11 @@ class EngineLifetime:
         self._saes.clear()
         self._sae_bytes = {}
         self.log_file, log_env = logs.configure(models.cache_dir() / "logs", self._log_level)
-        env = {**platform.rank_environment(self._platform, self._tp), **log_env}
+        env = {
+            **platform.rank_environment(self._platform, self._tp),
+            **log_env,
+            ENGINE: "1",  # arms envoykit's vLLM plugin in this engine's processes
+        }
         fork_core = self._platform == "cpu" and forkserver.enabled()
         if fork_core:  # its imports run beside this process's
             with platform.environment(env, forced={}):

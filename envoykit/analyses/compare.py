@@ -40,7 +40,7 @@ from envoykit.errors import InvalidRequest
 from envoykit.model.readout import Addition, Write, at, normalize, walk, writes_by_layer
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import vocab_parallel
-from envoykit.ranks.lens import DEFAULT_MEMORY_BUDGET, layers_per_call
+from envoykit.ranks.lens import DEFAULT_MEMORY_BUDGET
 from envoykit.results.compare import CompareResult
 
 if TYPE_CHECKING:
@@ -252,8 +252,9 @@ def divergence_statistics(
     probabilities of each, with the vocabulary-parallel exchange the lens uses
     (`envoykit.ranks.vocab_parallel`): every rank sums its slice's share, in float64."""
     n_layers, n_pos = rows_a.shape[:2]
-    # Two runs' float64 logits and log-probs per layer: eight times float32 logits' bytes.
-    per_call = max(1, layers_per_call(n_pos, shard.largest, budget) // 8)
+    # Two runs' float64 logits, log-probs and the temporaries of their size per layer: 24
+    # times one float32 layer's logits.
+    per_call = max(1, budget // max(1, n_pos * shard.largest * 4 * 24))
     pieces: dict[str, list[torch.Tensor]] = {}
     for start in range(0, n_layers, per_call):
         chunk = slice(start, start + per_call)

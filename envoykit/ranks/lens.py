@@ -85,10 +85,11 @@ def _reduce_positions(
 ) -> dict[str, torch.Tensor]:
     """`lens_statistics` of one block of positions: layers in chunks that fit ``budget``."""
     n_pos = rows[0].shape[0]
-    per_call = layers_per_call(n_pos, largest, budget)
     # The final layer's chunk goes first: every chunk needs its distribution for KL.
-    chunks = [rows[max(0, end - per_call) : end] for end in range(len(rows), 0, -per_call)]
-    final_logp = final_probs = None
+    chunks = [
+        rows[layers] for layers in even_chunks(len(rows), layers_per_call(n_pos, largest, budget))
+    ]
+    final: tuple[torch.Tensor, torch.Tensor] | None = None
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
         stop_if_cancelled(shard, cancel, chunk[0].device)
@@ -96,13 +97,11 @@ def _reduce_positions(
         largest_logit, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
             shard, logits, top_k, targets
         )
-        # This rank's slice of the log-probs, in place: (logit - largest) - log_sum.
-        logp = logits.sub_(largest_logit.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
-        if final_logp is None:
-            final_logp = logp[-1].clone()
-            final_probs = final_logp.exp()
+        if final is None:
+            final_logp = vocab_parallel.normalized(logits[-1], largest_logit[-1], log_sum[-1])
+            final = (final_logp, final_logp.exp())
         entropy, kl, ranks = vocab_parallel.sums(
-            shard, logp, (final_logp, final_probs), target_logp
+            shard, logits, (largest_logit, log_sum), final, target_logp
         )
         # 32-bit throughout: what crosses to the client is 4 bytes per number.
         pieces.append(
@@ -118,18 +117,32 @@ def _reduce_positions(
         # This chunk's logits go before the next chunk's exist: held across the next head
         # call, they added a chunk to the peak (a second long demo lens at TP=3: a rank's
         # peak rose up to 169 MiB above its start with them, up to 84 MiB without).
-        del logits, logp
+        del logits
     pieces.reverse()
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
 
 
 def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
-    """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice), and
-    the two temporaries of their size the reductions make, fit ``budget`` bytes."""
-    return max(1, math.floor(budget / max(1, n_pos * vocab * 4 * 3)))
+    """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice) fit
+    ``budget`` bytes beside the final layer's log-probs and probabilities, which every chunk
+    keeps for KL. The reductions' own temporaries are blocks of a few MiB
+    (`vocab_parallel.row_blocks`)."""
+    per_layer = max(1, n_pos * vocab * 4)
+    return max(1, math.floor(budget / per_layer) - 2)
+
+
+def even_chunks(n_layers: int, per_call: int) -> list[slice]:
+    """``n_layers`` in as few chunks of at most ``per_call`` as fit, of near-equal sizes,
+    the last layer's first: a small remainder chunk would run the head's GEMM on a few rows,
+    where it is several times slower per row than on many."""
+    n_chunks = math.ceil(n_layers / per_call)
+    ends = [round(n_layers * (i + 1) / n_chunks) for i in range(n_chunks)]
+    starts = [0, *ends[:-1]]
+    return [slice(start, end) for start, end in zip(reversed(starts), reversed(ends))]
 
 
 def positions_per_call(vocab: int, budget: int) -> int:
-    """Positions per block so that one layer of them fits ``budget`` as in `layers_per_call`:
-    past that, a long prompt's single layer would outgrow the budget with its length."""
-    return layers_per_call(1, vocab, budget)
+    """Positions per block so that one layer of them, and the final layer's two tensors of
+    their size, fit ``budget`` as in `layers_per_call`: past that, a long prompt's single
+    layer would outgrow the budget with its length."""
+    return max(1, math.floor(budget / max(1, vocab * 4 * 3)))

@@ -253,18 +253,19 @@ class TestChunking:
         statistics(toy_streams(), head=head)
         assert head.calls == 1
 
-    # One position's and one layer's full-vocab logits, log-probs and probs, in float32 bytes.
+    # A block of positions holds one layer's logits beside the final layer's log-probs and
+    # probabilities; a chunk of layers holds its logits beside those two (float32 bytes).
     POSITION_BYTES = VOCAB * 4 * 3
-    LAYER_BYTES = N_POS * POSITION_BYTES
+    LAYER_BYTES = N_POS * VOCAB * 4
 
     @pytest.mark.parametrize(
         ("budget", "calls"),
         [
             (1, 5 * N_POS),
             (2 * POSITION_BYTES, 5 * math.ceil(N_POS / 2)),
-            (2 * LAYER_BYTES, 3),
-            (3 * LAYER_BYTES, 2),
-            (5 * LAYER_BYTES, 1),
+            (4 * LAYER_BYTES, 3),
+            (5 * LAYER_BYTES, 2),
+            (7 * LAYER_BYTES, 1),
         ],
         ids=["1-byte", "2-positions", "2-layers", "3-layers", "5-layers"],
     )
@@ -273,7 +274,7 @@ class TestChunking:
         whole = statistics(streams)
         head = CountingHead()
         chunked = statistics(streams, budget=budget, head=head)
-        # Really chunked: 5 layers as 2+2+1, 3+2, ...; below one layer, blocks of positions
+        # Really chunked: 5 layers as 2+1+2, 3+2, ...; below one layer, blocks of positions
         # (a long prompt's single layer would otherwise outgrow the budget), each layer alone.
         assert head.calls == calls
         for key in ("top_ids", "target_ranks"):
@@ -281,6 +282,28 @@ class TestChunking:
         # A GEMM over fewer rows may round differently: float32 noise (KL reaches ~30 nats).
         for key in ("top_probs", "entropy", "kl", "target_probs"):
             torch.testing.assert_close(chunked[key], whole[key], atol=1e-6, rtol=1e-6, msg=key)
+
+    @pytest.mark.parametrize("rows", [1, 4], ids=["row-by-row", "uneven-blocks"])
+    def test_blocks_of_rows_give_the_reference(self, monkeypatch, rows):
+        """The reductions run over blocks of rows that fit the cache: any block size, even
+        one that leaves a short last block of positions, gives the reference, on one rank
+        and on three."""
+        monkeypatch.setattr(vocab_parallel, "BLOCK_BYTES", rows * VOCAB * 4)
+        streams = toy_streams()
+        want = reference(streams)
+        assert_matches(statistics(streams), want, 2e-5)
+        for got in on_ranks(3, streams=streams):
+            assert_matches(got, want, 2e-5)
+
+    @pytest.mark.parametrize(
+        ("n_layers", "per_call", "sizes"),
+        [(30, 27, [15, 15]), (5, 2, [2, 1, 2]), (4, 4, [4]), (3, 1, [1, 1, 1])],
+    )
+    def test_layers_split_evenly_last_first(self, n_layers, per_call, sizes):
+        chunks = lens.even_chunks(n_layers, per_call)
+        assert chunks[0].stop == n_layers
+        assert [c.stop - c.start for c in reversed(chunks)] == sizes
+        assert sorted(i for c in chunks for i in range(c.start, c.stop)) == list(range(n_layers))
 
     def test_chunked_with_positions_matches_reference(self):
         streams, positions = toy_streams(6), torch.tensor([0, 2, 5])

@@ -72,6 +72,12 @@ PRIVATE = (
     Private(NNSIGHT_VLLM, "_attach_mediators", "every trace, in process and served"),
     Private(NNSIGHT_VLLM, "_installed_edits", "steered traces", instance=True),
     Private("nnsight.intervention.envoy:Envoy", "_module", "whole tensors", instance=True),
+    # (what references an object tagged ``_persistent_id`` instead of pickling it)
+    Private(
+        "nnsight.intervention.serialization:CustomCloudPickler",
+        "persistent_id",
+        "a collection's traces ship no envoys",
+    ),
     Private("nnsight.modeling.mixins.loadable", "_ENVOY_KWARGS", "refusing unknown options"),
     Private(NNSIGHT_SERVER, "_ready", "envoykit serve: the served model"),
     Private(NNSIGHT_SERVER, "_build_tracer", "envoykit serve: a request's trace"),
@@ -135,6 +141,20 @@ def needed_by(package: str) -> set[str]:
 def envoy_module(envoy: Any) -> Any:
     """The torch module an nnsight envoy wraps (the real one on a rank, meta in a client)."""
     return envoy._module
+
+
+def interleaver_by_reference(model: Any) -> Any:
+    """``model``'s interleaver, tagged as nnsight tags it when it pickles an envoy: a trace's
+    code that names it ships a reference, which each rank resolves to its own."""
+    interleaver = model.interleaver
+    interleaver.__dict__["_persistent_id"] = "Interleaver"
+    return interleaver
+
+
+def rank_root(interleaver: Any) -> Any:
+    """On a rank: the root envoy of the tree ``interleaver`` serves (nnsight's plain envoys,
+    which read values as envoykit's do)."""
+    return next(envoy for envoy in interleaver.envoys.values() if envoy.path == "model")
 
 
 def attach_mediators(model: Any, params: list, **kwargs: Any) -> list:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from envoykit import _compat as compat
 from envoykit._compat import Model, Tokenizer
 from envoykit.analyses import corpus, request
 from envoykit.analyses.corpus import Piece, batches, pieces
@@ -60,11 +61,16 @@ def activations(
     for layer, site in order:
         reads.setdefault(layer, set()).add(site)
     picked = [order.index(row) for row in rows]
-    layer_list = at(model, readout.layers)
+    # Each invoke's code travels to the ranks pickled on its own, and an envoy pickles with
+    # every envoy below it: the decoder layers were 50 kB an invoke, 1.6 MB a batch, pickled
+    # by this process and unpickled by every rank. The ranks find their own layers from the
+    # interleaver, which travels as a reference.
+    interleaver = compat.interleaver_by_reference(model)
     with guard(), model.trace(temperature=0.0, max_tokens=1) as tracer:
         for piece, kept in zip(batch, keep):
             where = torch.tensor(kept, dtype=torch.long)  # (empty for a short piece)
             with tracer.invoke(list(piece.ids)):
+                layer_list = at(compat.rank_root(interleaver), readout.layers)
                 streams = walk(readout, layer_list, reads, {})
                 # A stream's pair summed, a block's write as it is.
                 values = [v if r is None else v + r for v, r in streams]

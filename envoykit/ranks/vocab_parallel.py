@@ -63,7 +63,7 @@ def summaries(
     # A slice smaller than k sends -inf candidates (id 0), so every rank sends k of them.
     local = rows.new_zeros(rows.shape[0], 2 + 2 * top_k + len(targets))
     local[:, 2 + k : 2 + top_k] = -torch.inf
-    for block in row_blocks(*rows.shape, rows.element_size()):
+    for block in row_blocks(rows.shape[0], rows.shape[1], rows.element_size()):
         part = rows[block]
         values, ids = part.topk(k, dim=-1)
         largest = values[:, :1]

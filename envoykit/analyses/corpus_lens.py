@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit import _compat as compat
 from envoykit._compat import Model, Tokenizer
 from envoykit.analyses import corpus, request
 from envoykit.analyses.corpus import Piece, batches, pieces
 from envoykit.analyses.lens_run import computed_rows
 from envoykit.analyses.request import Documents, LayerSpec
 from envoykit.errors import InvalidRequest
+from envoykit.model.envoys import vocab_shard_of
 from envoykit.model.readout import Readout, at, walk
 from envoykit.ranks.lens import DEFAULT_MEMORY_BUDGET, lens_statistics
 from envoykit.ranks.translators import translated
@@ -56,16 +58,18 @@ def piece_sums(
     rows = computed_rows([(layer, "resid") for layer in layers], readout.n_layers)
     keep = torch.tensor([rows.index((layer, "resid")) for layer in layers])
     reads = {layer: {"resid"} for layer, _ in rows}
-    layer_list = at(model, readout.layers)
+    # The ranks find their own modules from the interleaver, which travels as a reference:
+    # each invoke's code is pickled on its own, envoys with everything below them
+    # (`envoykit.analyses.collect.activations`).
+    interleaver = compat.interleaver_by_reference(model)
     with guard(), model.trace(temperature=0.0, max_tokens=1) as tracer:
         for piece in batch:
             following = torch.tensor(piece.ids[1:], dtype=torch.long)
             with tracer.invoke(list(piece.ids)):
-                # Reached from the root inside the invoke: an envoy shipped to the ranks
-                # without its root has no parent, and the head's slice needs the root.
-                norm = at(model, readout.final_norm)
-                shard = at(model, readout.unembedding).vocab_shard()
-                streams = walk(readout, layer_list, reads, {})
+                root = compat.rank_root(interleaver)
+                norm = compat.envoy_module(at(root, readout.final_norm))
+                shard = vocab_shard_of(compat.envoy_module(root))
+                streams = walk(readout, at(root, readout.layers), reads, {})
                 if translator is not None:
                     streams = translated(streams, rows, translator, readout.n_layers)
                 stats = lens_statistics(

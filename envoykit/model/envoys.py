@@ -234,26 +234,32 @@ class UnembedEnvoy(ParallelEnvoy):
         return shard.gather(values.float()).sum(0)
 
     def vocab_shard(self) -> VocabShard:
-        """This rank's slice of the unembedding, for reductions that need no whole logits.
+        """This rank's slice of the unembedding, for reductions that need no whole logits
+        (`vocab_shard_of` the model this envoy belongs to)."""
+        return vocab_shard_of(compat.envoy_module(self.root))
 
-        The slice's logits come from the model's own logits processor without its gather
-        (quant method, soft-cap and logit scale applied as for sampling); the rank's padding
-        columns, past its last real token, are cut off. The exchange is the tensor-parallel
-        group's all-gather, on whatever device and backend the engine uses.
-        """
-        root = compat.envoy_module(self.root)
-        module = unembedding_module(root)
-        indices = module.shard_indices
-        size = indices.num_org_elements
 
-        bias = head_bias(module)
+def vocab_shard_of(root: torch.nn.Module) -> VocabShard:
+    """This rank's slice of ``root``'s unembedding (``root``: the model's torch module on a
+    rank), for reductions that need no whole logits.
 
-        def logits(hidden: torch.Tensor) -> torch.Tensor:
-            return root.logits_processor(module, hidden, bias, skip_gather=True)[..., :size]
+    The slice's logits come from the model's own logits processor without its gather
+    (quant method, soft-cap and logit scale applied as for sampling); the rank's padding
+    columns, past its last real token, are cut off. The exchange is the tensor-parallel
+    group's all-gather, on whatever device and backend the engine uses.
+    """
+    module = unembedding_module(root)
+    indices = module.shard_indices
+    size = indices.num_org_elements
 
-        # Rank 0's slice: the padding is at the end of the vocabulary.
-        largest = min(indices.num_org_elements_padded, module.org_vocab_size)
-        return VocabShard(logits, indices.org_vocab_start_index, size, gather_ranks, largest)
+    bias = head_bias(module)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        return root.logits_processor(module, hidden, bias, skip_gather=True)[..., :size]
+
+    # Rank 0's slice: the padding is at the end of the vocabulary.
+    largest = min(indices.num_org_elements_padded, module.org_vocab_size)
+    return VocabShard(logits, indices.org_vocab_start_index, size, gather_ranks, largest)
 
 
 def gather_ranks(value: torch.Tensor) -> torch.Tensor:

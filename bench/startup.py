@@ -5,10 +5,11 @@ after the other: envoykit at TP=1, envoykit at ``--tp N`` when asked, and a plai
 ``vllm.LLM`` of the same checkpoint with the settings envoykit passes (path from
 ``envoykit.runtime.models.resolve``, float32, envoykit's ``max_model_len`` and KV-cache bytes, the
 CPU variables of ``platform.rank_environment``, chunked prefill and prefix caching off, eager),
-but vLLM's own worker and without envoykit's vLLM plugin (``envoykit.runtime.lifeline``, which vLLM
-would otherwise load in every process of any engine on this machine). The parts come from
-three clocks that agree (wall time since the epoch): the owner's own clock around each step
-(timing wrappers installed in the bench process, envoykit's code unchanged), the start time of
+but vLLM's own worker and without envoykit's vLLM plugin (``envoykit_vllm_plugin``, which
+vLLM loads in every process of any engine on this machine, where outside envoykit's engines
+it does nothing). The parts come from three clocks that agree (wall time since the epoch):
+the owner's own clock around each step (timing wrappers installed in the bench process,
+envoykit's code unchanged), the start time of
 each engine-core and rank process (psutil ``create_time()``), and the timestamps of vLLM's log
 lines (``engine.log_file``; the plain start writes the same format to a file of its own).
 Consecutive parts add up to the start; a part whose marks are missing (no engine-core process

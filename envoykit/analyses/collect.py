@@ -24,6 +24,7 @@ from envoykit.analyses import corpus, request
 from envoykit.analyses.corpus import Piece, batches, pieces
 from envoykit.analyses.request import Documents, LayerSpec, PositionSpec, Row
 from envoykit.errors import InvalidRequest
+from envoykit.model.envoys import first_rank
 from envoykit.model.readout import Readout, at, walk
 from envoykit.results.activations import StoreWriter, row_key, text_chain
 from envoykit.results.lens import SITES
@@ -72,13 +73,17 @@ def activations(
             with tracer.invoke(list(piece.ids)):
                 layer_list = at(compat.rank_root(interleaver), readout.layers)
                 streams = walk(readout, layer_list, reads, {})
-                # A stream's pair summed, a block's write as it is.
-                values = [v if r is None else v + r for v, r in streams]
-                out = nnsight.save(
-                    torch.stack([values[i][where.to(values[i].device)] for i in picked])
-                    .to(dtype)
-                    .cpu()
-                )
+                # Every rank reads the same whole values (a read may be a collective), but
+                # only the first sends them: the client keeps one rank's saves, and at TP=3
+                # three copies of every batch were pickled, sent and unpickled.
+                if first_rank():
+                    # A stream's pair summed, a block's write as it is.
+                    values = [v if r is None else v + r for v, r in streams]
+                    out = nnsight.save(
+                        torch.stack([values[i][where.to(values[i].device)] for i in picked])
+                        .to(dtype)
+                        .cpu()
+                    )
     return out if len(batch) > 1 else [out]
 
 

@@ -262,6 +262,13 @@ def vocab_shard_of(root: torch.nn.Module) -> VocabShard:
     return VocabShard(logits, indices.org_vocab_start_index, size, gather_ranks, largest)
 
 
+def first_rank() -> bool:
+    """Whether this rank is the first of its tensor-parallel group (the only one at TP=1)."""
+    from vllm.distributed import get_tp_group
+
+    return bool(get_tp_group().rank_in_group == 0)
+
+
 def gather_ranks(value: torch.Tensor) -> torch.Tensor:
     """``[ranks, *value.shape]``: every rank's ``value`` in rank order, the same on every
     rank (the tensor-parallel group's all-gather, on whatever device and backend the engine

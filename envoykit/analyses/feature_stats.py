@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from envoykit import _compat as compat
 from envoykit._compat import Model, Tokenizer
 from envoykit.analyses import sae as sae_module
 from envoykit.analyses.collect import ChainedTexts
@@ -216,18 +217,22 @@ def _trace(
 
     run_id, key, window, n = uuid.uuid4().hex, sae.key, req.window, req.contexts
     reads = {sae.layer: {sae.site}}
-    layer_list = at(model, readout.layers)
+    # The ranks find their layers from the interleaver, a reference, rather than from
+    # shipped envoys (`envoykit.analyses.collect.activations`).
+    interleaver = compat.interleaver_by_reference(model)
     with guard():
         with model.trace(temperature=0.0, max_tokens=1) as tracer:
             for piece in batch:
                 ids = torch.tensor(piece.ids, dtype=torch.long)
                 doc, start = piece.doc, piece.start
                 with tracer.invoke(list(piece.ids)):
+                    layer_list = at(compat.rank_root(interleaver), readout.layers)
                     value, residual = walk(readout, layer_list, reads, {})[0]
                     x = value if residual is None else value + residual
                     on_ranks.fold(run_id, key, x, ids, doc, start, threshold, window, gather_ranks)
         with model.trace(temperature=0.0, max_tokens=1) as tracer:  # noqa: SIM117
             with tracer.invoke([batch[0].ids[0]]):
+                layer_list = at(compat.rank_root(interleaver), readout.layers)
                 first, _ = walk(readout, layer_list, {0: {"resid"}}, {})[0]
                 tally = nnsight.save(
                     on_ranks.flush(run_id, key, n, window, first.device, gather_ranks)

@@ -324,6 +324,9 @@ async def run_trace(body: bytes, headers: Any, state: ServerState) -> Any:
     from nnsight.tracing.globals import SOURCES
 
     model = compat.served_model()
+    # A trace may name the interleaver (a collection's does), which comes in as the served
+    # model's own and must go on to the ranks as a reference too.
+    compat.interleaver_by_reference(model)
     began = time.perf_counter()
     compress = headers.get("nnsight-compress", "False").lower() == "true"
     try:

@@ -263,7 +263,7 @@ def divergence_statistics(
         largest, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
             shard, logits, 1, targets
         )
-        logp = logits - largest.unsqueeze(-1) - log_sum.unsqueeze(-1)
+        logp = vocab_parallel.normalized(logits, largest, log_sum)
         mixture = torch.logaddexp(logp[0], logp[1]) - math.log(2.0)
         js = 0.5 * sum((side.exp() * (side - mixture)).sum(-1) for side in logp)
         chunk_stats = {

@@ -116,17 +116,16 @@ def sums(
     cancel when a layer is close to the final one), block by block of rows (`row_blocks`),
     so the passes over a block read the cache.
     """
-    largest, log_sum = normalizer
     final_logp, final_probs = final
     n_pos, size = logits.shape[-2:]
     grid = logits.view(-1, n_pos, size)
+    largest, log_sum = (part.view(grid.shape[:2]) for part in normalizer)
     found = logits.new_empty(grid.shape[0], n_pos, 2 + target_logp.shape[-1])
-    bounds = (largest.view(grid.shape[:2]), log_sum.view(grid.shape[:2]))
     thresholds = target_logp.reshape(grid.shape[0], n_pos, target_logp.shape[-1])
     for layer in range(grid.shape[0]):
         for block in row_blocks(n_pos, size, logits.element_size()):
             logp = grid[layer, block]
-            logp.sub_(bounds[0][layer, block, None]).sub_(bounds[1][layer, block, None])
+            logp.sub_(largest[layer, block, None]).sub_(log_sum[layer, block, None])
             scratch = logp.exp().mul_(logp)
             found[layer, block, 0] = -scratch.sum(-1)
             torch.sub(final_logp[block], logp, out=scratch)

@@ -420,7 +420,6 @@ def wait_for_quiet(below: float | None, most: float) -> float:
 
 def settings(model: str, tps: list[int]) -> dict:
     """What envoykit passes to vLLM for ``model``, for the plain start to pass too."""
-    from envoykit import engine
     from envoykit.model.config import read_config
     from envoykit.runtime import models, platform
     from envoykit.runtime.info import MAX_MODEL_LEN_CAP
@@ -435,7 +434,7 @@ def settings(model: str, tps: list[int]) -> dict:
         "plain_kwargs": {
             "dtype": "float32",
             "max_model_len": min(limit, MAX_MODEL_LEN_CAP),
-            "kv_cache_memory_bytes": engine._DEFAULT_KV_CACHE_BYTES,
+            **platform.engine_defaults("cpu", config),
             "enforce_eager": True,
             "enable_chunked_prefill": False,
             "enable_prefix_caching": False,

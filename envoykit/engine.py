@@ -192,6 +192,7 @@ class EngineLifetime:
         self._llm = llm
         processes = _descendants() - not_the_engine
         self._processes = sorted(processes, key=lambda process: process.pid)
+        platform.yield_to_ranks(self._platform, self._tp, self._processes)
         # What they made so far, for close() and the janitor: a process that dies first (a
         # killed rank takes the engine core down) can no longer be asked.
         made = _mapped_segments(processes) | _engine_semaphores(processes)

@@ -22,6 +22,7 @@ from conftest import start
 
 import envoykit as ek
 from envoykit.runtime import forkserver
+from envoykit.runtime.platform import usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,18 @@ class TestEngine:
         names = [p.name() for p in tiny2.processes]
         assert sorted(names) == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
         assert all(p.is_running() for p in tiny2.processes)
+
+    def test_the_engine_core_waits_below_ranks_that_own_their_cores(self, tiny2, demo3):
+        """The engine core's main thread spins at the lowest priority where every rank has
+        a core of its own, and at the ranks' priority where they share cores; its other
+        threads and the ranks keep theirs (`platform.yield_to_ranks`)."""
+        for engine in (tiny2, demo3):
+            owns = engine.info.tp <= len(usable_cpus())
+            core = next(p for p in engine.processes if p.name() == "VLLM::EngineCore")
+            priorities = {t.id: os.getpriority(os.PRIO_PROCESS, t.id) for t in core.threads()}
+            assert priorities.pop(core.pid) == (19 if owns else 0)
+            assert set(priorities.values()) == {0}
+            assert all(p.nice() == 0 for p in engine.processes if p.pid != core.pid)
 
     def test_greedy_tokens_identical_at_tp1_and_tp2(self, tiny_engines):
         prompt = "The quick brown fox"
@@ -388,6 +401,7 @@ FORKED_CORE_OWNER = """
 import json, multiprocessing.util, os, time
 import envoykit as ek
 from envoykit.runtime import forkserver
+from envoykit.runtime.platform import usable_cpus
 
 def lens_and_core(engine):
     result = engine.lens("The capital of France is", targets=[" Paris"], top_k=3)

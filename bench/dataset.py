@@ -14,7 +14,8 @@ hooks) collecting the same 2 layers, ``--batch`` documents per forward, float32.
 
 With ``--vllm-lens``, vllm-lens (PyPI) is installed without its dependencies into a
 throwaway directory beside this machine's vLLM and captures the same 2 layers of the same
-stream at TP=1 (`bench/vllm_lens_capture.py`, its own engine), against plain vLLM there.
+stream at every TP size of ``--tp`` (`bench/vllm_lens_capture.py`, its own engine, bound as
+envoykit binds its ranks), against plain vLLM there.
 
 Each figure is the median of ``--repeats`` runs after a warm-up on a few documents.
 
@@ -212,8 +213,9 @@ def bench_transformers(path: str, docs: list[list[int]], layers: list[int], args
 VLLM_LENS = "vllm-lens==1.3.0"
 
 
-def bench_vllm_lens(path: str, two: list[int], args) -> list:
-    """vllm-lens in a throwaway directory (installed once), run by `vllm_lens_capture.py`."""
+def bench_vllm_lens(path: str, two: list[int], args, tp: int) -> list:
+    """vllm-lens in a throwaway directory (installed once), run by `vllm_lens_capture.py`
+    at TP=``tp``."""
     import json
     import subprocess
     import sys
@@ -228,7 +230,7 @@ def bench_vllm_lens(path: str, two: list[int], args) -> list:
         )  # fmt: skip
     script = Path(__file__).with_name("vllm_lens_capture.py")
     command = [sys.executable, str(script), "--path", path, "--docs", str(args.docs)]
-    command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats), "--tp", str(tp)]
     command += ["--layers", ",".join(str(layer - 1) for layer in two)]
     done = subprocess.run(
         command,
@@ -239,13 +241,17 @@ def bench_vllm_lens(path: str, two: list[int], args) -> list:
     lines = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY ")]
     if done.returncode != 0 or not lines:
         return [
-            (f"vllm-lens: did not run ({done.stderr.strip().splitlines()[-1:]})", float("nan"), "")
+            (
+                f"TP={tp} vllm-lens: did not run ({done.stderr.strip().splitlines()[-1:]})",
+                float("nan"),
+                "",
+            )
         ]
     found = json.loads(lines[0].removeprefix("SUMMARY "))
     return [
-        ("TP=1 plain vLLM prefill (vllm-lens's engine)", found["plain_s"], ""),
+        (f"TP={tp} plain vLLM prefill (vllm-lens's engine)", found["plain_s"], ""),
         (
-            f"TP=1 vllm-lens, 2 layers ({two})",
+            f"TP={tp} vllm-lens, 2 layers ({two})",
             found["lens_s"],
             f"{found['lens_s'] / found['plain_s']:.2f}x its plain; "
             f"{found['relative_error']:.1e} from transformers",
@@ -276,7 +282,8 @@ def main() -> None:
             print(flush=True)
         rows += bench_transformers(path, docs, two, args)
         if args.vllm_lens:
-            rows += bench_vllm_lens(path, two, args)
+            for tp in args.tp:
+                rows += bench_vllm_lens(path, two, args, tp)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     tokens = args.docs * args.tokens

@@ -14,7 +14,9 @@ In one run, on the same model, TP size and prompt:
 The two engines are never asked for work at the same time. Both sit on the same cores, so
 an idle one costs the other only what vLLM's idle loops cost.
 
-With ``--load``, only the server runs: 1, 2, 4 and 8 client processes at once (``--levels``),
+With ``--load``, the load client's lenses first run one after another on an engine in this
+process (its throughput and p50/p95 are what a request is held to), then only the server
+runs: 1, 2, 4 and 8 client processes at once (``--levels``),
 each running ``--lenses`` lenses back to back, print the throughput, the p50 and p95 latency
 of one lens, the errors (which must be 0), whether every result equals the serial one, and
 the resident memory of the server process and of its engine's processes before and after
@@ -167,16 +169,38 @@ def served_memory(server: subprocess.Popen) -> tuple[int, int]:
     return root.memory_info().rss, sum(p.memory_info().rss for p in root.children(recursive=True))
 
 
+def in_process(args) -> tuple[list[str], list[float]]:
+    """The load's prompts, and the latencies of one load client's lenses run one after
+    another on an engine in this process (closed before the server starts): the latency a
+    request is held to. In process a second thread's lens waits for the first (one trace at
+    a time), so this is also its throughput at any number of threads."""
+    with ek.Engine(args.model, args.tp, progress=False) as engine:
+        prompts = [prompt_of(engine.tokenizer, args.tokens - i) for i in range(4)]
+        for prompt in prompts:  # warm-up
+            engine.lens(prompt, targets=[TARGET], top_k=5)
+        latencies = []
+        for i in range(args.lenses):
+            began = time.perf_counter()
+            engine.lens(prompts[i % len(prompts)], targets=[TARGET], top_k=5)
+            latencies.append(time.perf_counter() - began)
+    return prompts, latencies
+
+
 def load(args) -> None:
-    """The server alone under 1, 2, 4 and 8 concurrent client processes."""
+    """The server alone under 1, 2, 4 and 8 concurrent client processes, after the same
+    lenses in process."""
+    prompts, local = in_process(args)
+    local_p50, local_p95 = np.percentile(local, [50, 95])
     server, url, _ = start_server(args.model, args.tp)
     try:
         with ek.connect(url) as client:
-            tokenizer = client.tokenizer
-            prompts = [prompt_of(tokenizer, args.tokens - i) for i in range(4)]
             serial = {
                 p: client.lens(p, targets=[TARGET], top_k=5).top_ids.tolist() for p in prompts
             }
+        print(
+            f"\nin process, {args.lenses} lenses one after another: "
+            f"{len(local) / sum(local):.2f} lenses/s, p50 {local_p50:.3f} s, p95 {local_p95:.3f} s"
+        )
         print(f"\n{args.model} behind `envoykit serve`, {args.lenses} lenses per client\n")
         print(
             f"| {'clients':>7} | {'lenses/s':>8} | {'p50 s':>6} | {'p95 s':>6} | {'errors':>6} "
@@ -220,12 +244,19 @@ def load(args) -> None:
                 for i, ids in enumerate(out["top_ids"])
             )
             p50, p95 = np.percentile(latencies, [50, 95])
+            if clients == 1:
+                overhead = (
+                    f"one client over in process: p50 {p50 / local_p50:.2f}x, "
+                    f"p95 {p95 / local_p95:.2f}x"
+                )
             print(
                 f"| {clients:>7} | {len(latencies) / wall:8.2f} | {p50:6.3f} | {p95:6.3f} | "
                 f"{errors:>6} | {equal!s:>5} | "
                 f"{before[0] / 2**20:11.0f} -> {after[0] / 2**20:<11.0f} | "
                 f"{before[1] / 2**20:11.0f} -> {after[1] / 2**20:<11.0f} |"
             )
+        if 1 in args.levels:
+            print(f"\n{overhead}")
     finally:
         server.terminate()
         server.wait(120)

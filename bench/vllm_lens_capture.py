@@ -19,8 +19,19 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0,1")
-os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+def bind(tp: int) -> None:
+    """vLLM's CPU binding as envoykit spells it (`envoykit.runtime.platform.core_binding`):
+    every usable core to some rank, round-robin where ranks outnumber cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if tp <= len(cores):
+        per = len(cores) // tp
+        shares = [cores[i * per : (i + 1) * per] for i in range(tp)]
+        binding = "|".join(",".join(str(c) for c in share) for share in shares)
+    else:
+        binding = "|".join(str(cores[i % len(cores)]) for i in range(tp))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def main() -> None:
@@ -30,7 +41,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--layers", default="9,19", help="0-based decoder layers")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
+    bind(args.tp)
     layers = [int(x) for x in args.layers.split(",")]
 
     from pydoc_data.topics import topics
@@ -49,7 +62,7 @@ def main() -> None:
         config = json.load(handle)
     llm = LLM(
         args.path,
-        tensor_parallel_size=1,
+        tensor_parallel_size=args.tp,
         dtype="float32",
         max_model_len=min(1024, config.get("max_position_embeddings", 1024)),
         kv_cache_memory_bytes=256 * 2**20,

@@ -342,9 +342,9 @@ class Engine(EngineLifetime, EngineSurface):
         """Start the engine (`EngineLifetime`, whose options ``kwargs`` are: ``dtype``,
         ``max_model_len``, ``log_level``, ``progress``, and vLLM's own).
 
-        ``validate``: run the self-check at load (`envoykit.analyses.selfcheck`, about a
-        second on demo), which confirms the readout on the model's real weights and disables
-        an analysis whose check fails; ``engine.info.validated`` says what passed.
+        ``validate``: run the self-check at load (`envoykit.analyses.selfcheck`, 0.3-0.4 s
+        of a demo start at TP=1), which confirms the readout on the model's real weights and
+        disables an analysis whose check fails; ``engine.info.validated`` says what passed.
         """
         self._validate = validate
         super().__init__(model, tensor_parallel_size, **kwargs)

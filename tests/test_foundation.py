@@ -401,7 +401,6 @@ FORKED_CORE_OWNER = """
 import json, multiprocessing.util, os, time
 import envoykit as ek
 from envoykit.runtime import forkserver
-from envoykit.runtime.platform import usable_cpus
 
 def lens_and_core(engine):
     result = engine.lens("The capital of France is", targets=[" Paris"], top_k=3)

@@ -22,7 +22,7 @@ from conftest import start
 
 import envoykit as ek
 from envoykit.runtime import forkserver
-from envoykit.runtime.platform import usable_cpus
+from envoykit.runtime.platform import ranks_share_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ class TestEngine:
         a core of its own, and at the ranks' priority where they share cores; its other
         threads and the ranks keep theirs (`platform.yield_to_ranks`)."""
         for engine in (tiny2, demo3):
-            owns = engine.info.tp <= len(usable_cpus())
+            owns = not ranks_share_cores(engine.info.tp)
             core = next(p for p in engine.processes if p.name() == "VLLM::EngineCore")
             priorities = {t.id: os.getpriority(os.PRIO_PROCESS, t.id) for t in core.threads()}
             assert priorities.pop(core.pid) == (19 if owns else 0)

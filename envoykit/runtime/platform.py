@@ -62,6 +62,11 @@ def worker_module(platform: str):
     return cpu
 
 
+def ranks_share_cores(tp: int) -> bool:
+    """Whether ``tp`` ranks outnumber the usable cores, so some share one."""
+    return tp > len(usable_cpus())
+
+
 def rank_environment(platform: str, tp: int) -> dict[str, str]:
     """vLLM's CPU settings for ``tp`` ranks: every usable core bound to some rank.
 
@@ -83,7 +88,7 @@ def rank_environment(platform: str, tp: int) -> dict[str, str]:
         # `envoykit.runtime.lifeline.fork_ranks`): "0" spawns them as vLLM does.
         lifeline.FORK_RANKS: "1",
         # Ranks that share cores run one thread each, unbound ("0" binds them round-robin).
-        lifeline.UNBOUND_RANKS: "1" if tp > len(cpus) else "0",
+        lifeline.UNBOUND_RANKS: "1" if ranks_share_cores(tp) else "0",
         # Deprecation notices from torch and vLLM internals (every all-gather warns once per
         # rank and call site) and torch's C++ NUMA notices say nothing a user can act on;
         # in a notebook they bury the output.
@@ -148,7 +153,7 @@ def yield_to_ranks(platform: str, tp: int, processes: list[Any]) -> None:
     """
     import psutil
 
-    if platform != "cpu" or tp > len(usable_cpus()):
+    if platform != "cpu" or ranks_share_cores(tp):
         return
     pids = {process.pid for process in processes}
     for process in processes:

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dataset import token_stream
+from dataset import plain_prefill, token_stream
 
 import envoykit as ek
 
@@ -30,20 +30,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     scratch = Path(tempfile.mkdtemp(prefix="bench-collect-"))
     try:
         with ek.Engine(args.model, args.tp, progress=False) as engine:
             docs = token_stream(engine.tokenizer, args.docs, args.tokens)
             n = engine.info.n_layers
-            prompts = [TokensPrompt(prompt_token_ids=d) for d in docs]
-            params = SamplingParams(temperature=0.0, max_tokens=1)
 
             def plain() -> None:
-                with engine.exclusive():
-                    engine.model.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
+                plain_prefill(engine, docs)
 
             def collect(layers) -> None:
                 shutil.rmtree(scratch / "store", ignore_errors=True)

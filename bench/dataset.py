@@ -98,10 +98,20 @@ def head_gemm_seconds(engine, rows: int, repeats: int) -> float:
     return median_of(gemm, repeats)
 
 
-def bench_engine(args, tp: int, scratch: Path) -> tuple[list[tuple[str, float, str]], object]:
-    import psutil
+def plain_prefill(engine, docs: list[list[int]]) -> None:
+    """vLLM's own prefill of ``docs`` (token ids) on ``engine``, one greedy token each, no
+    trace: the floor a collection rides on."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=d) for d in docs]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    with engine.exclusive():
+        engine.model.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
+
+
+def bench_engine(args, tp: int, scratch: Path) -> tuple[list[tuple[str, float, str]], object]:
+    import psutil
 
     rows: list[tuple[str, float, str]] = []
     with ek.Engine(args.model, tp, progress=False) as engine:
@@ -112,19 +122,16 @@ def bench_engine(args, tp: int, scratch: Path) -> tuple[list[tuple[str, float, s
             {round(n * (i + 1) / args.lens_layers) for i in range(args.lens_layers)}
         )
         warm = docs[:8]
-        prompts = [TokensPrompt(prompt_token_ids=d) for d in docs]
-        params = SamplingParams(temperature=0.0, max_tokens=1)
 
-        def plain(batch=prompts) -> None:
-            with engine.exclusive():
-                engine.model.vllm_entrypoint.generate(batch, params, use_tqdm=False)
+        def plain(batch=docs) -> None:
+            plain_prefill(engine, batch)
 
         def collect(layers, name: str, batch=docs) -> None:
             out = scratch / f"tp{tp}-{name}"
             shutil.rmtree(out, ignore_errors=True)
             engine.collect(batch, out=out, layers=layers, progress=False)
 
-        plain(prompts[:8])
+        plain(warm)
         collect(two, "warm", warm)
         engine.lens_corpus(warm, layers=lens_layers, progress=False)
         t_plain = median_of(plain, args.repeats)
@@ -220,6 +227,8 @@ def bench_vllm_lens(path: str, two: list[int], args, tp: int) -> list:
     import subprocess
     import sys
 
+    from envoykit.runtime import platform
+
     site = Path(args.vllm_lens_dir)
     if not (site / "vllm_lens").exists():
         subprocess.run(
@@ -232,6 +241,7 @@ def bench_vllm_lens(path: str, two: list[int], args, tp: int) -> list:
     command = [sys.executable, str(script), "--path", path, "--docs", str(args.docs)]
     command += ["--tokens", str(args.tokens), "--repeats", str(args.repeats), "--tp", str(tp)]
     command += ["--layers", ",".join(str(layer - 1) for layer in two)]
+    command += ["--binding", platform.core_binding(platform.usable_cpus(), tp)]
     done = subprocess.run(
         command,
         capture_output=True,

@@ -12,7 +12,7 @@ import argparse
 import os
 
 import numpy as np
-from dataset import head_gemm_seconds, median_of, token_stream
+from dataset import head_gemm_seconds, median_of, plain_prefill, token_stream
 
 import envoykit as ek
 from envoykit.runtime.lifeline import UNBOUND_RANKS
@@ -22,23 +22,17 @@ PROMPT = "The capital of France is"
 
 def measure(args, unbound: bool) -> tuple[dict[str, float], object]:
     """The figures of one binding, and its corpus lens (to compare the two's statistics)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     os.environ[UNBOUND_RANKS] = "1" if unbound else "0"
     try:
         with ek.Engine(args.model, args.tp, progress=False) as engine:
             docs = token_stream(engine.tokenizer, args.docs, args.tokens)
             n = engine.info.n_layers
             layers = sorted({round(n * (i + 1) / 6) for i in range(6)})
-            prompts = [TokensPrompt(prompt_token_ids=d) for d in docs]
-            params = SamplingParams(temperature=0.0, max_tokens=1)
 
-            def plain(batch=prompts) -> None:
-                with engine.exclusive():
-                    engine.model.vllm_entrypoint.generate(batch, params, use_tqdm=False)
+            def plain(batch=docs) -> None:
+                plain_prefill(engine, batch)
 
-            plain(prompts[:4])
+            plain(docs[:4])
             engine.lens_corpus(docs[:4], layers=layers, progress=False)
             engine.lens(PROMPT, top_k=3)
             t_plain = median_of(plain, args.repeats)

@@ -9,6 +9,7 @@ Prints one line ``SUMMARY {json}``: seconds of each (median of ``--repeats`` aft
 on a few documents), and the largest difference from transformers' stream on two documents.
 
     PYTHONPATH=SITE python bench/vllm_lens_capture.py --path CHECKPOINT --docs 256 --tokens 128
+    PYTHONPATH=SITE python bench/vllm_lens_capture.py --path CHECKPOINT --tp 3 --binding "0|1|0"
 """
 
 from __future__ import annotations
@@ -20,20 +21,6 @@ import statistics
 import time
 
 
-def bind(tp: int) -> None:
-    """vLLM's CPU binding as envoykit spells it (`envoykit.runtime.platform.core_binding`):
-    every usable core to some rank, round-robin where ranks outnumber cores."""
-    cores = sorted(os.sched_getaffinity(0))
-    if tp <= len(cores):
-        per = len(cores) // tp
-        shares = [cores[i * per : (i + 1) * per] for i in range(tp)]
-        binding = "|".join(",".join(str(c) for c in share) for share in shares)
-    else:
-        binding = "|".join(str(cores[i % len(cores)]) for i in range(tp))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", required=True)
@@ -42,8 +29,21 @@ def main() -> None:
     parser.add_argument("--layers", default="9,19", help="0-based decoder layers")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument(
+        "--binding",
+        help="VLLM_CPU_OMP_THREADS_BIND, as envoykit binds its ranks "
+        "(bench/dataset.py passes envoykit.runtime.platform.core_binding); default: every "
+        "usable core to one rank",
+    )
     args = parser.parse_args()
-    bind(args.tp)
+    if args.binding is None and args.tp > 1:
+        parser.error("--tp above 1 needs --binding")
+    # Set before vLLM is imported. (envoykit itself is not imported here: it would put
+    # nnsight into this process, which vllm-lens's worker refuses.)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.binding or ",".join(
+        str(core) for core in sorted(os.sched_getaffinity(0))
+    )
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     layers = [int(x) for x in args.layers.split(",")]
 
     from pydoc_data.topics import topics

@@ -4,9 +4,12 @@ Each trace prefills a batch of whole documents (`envoykit.analyses.corpus.batche
 invoke per piece, so vLLM batches them); on the ranks each piece's rows are read where the
 lens reads them (`envoykit.model.readout.walk`: the residual stream whole at every TP size,
 a block's write as it enters the stream), cut to the positions asked for and cast to the
-store's dtype there, so only those bytes travel. The batch becomes one shard
-(`envoykit.results.activations`), written before the next trace starts: memory holds one
-batch whatever the corpus's size. A rerun continues after the last shard written.
+store's dtype there. The batch becomes one shard (`envoykit.results.activations`): for an
+engine in this process the shard is laid out on disk before the trace and the first rank
+writes each piece's rows into it, so they never travel; for a served engine the rows come
+back as the trace's saves and this process writes them. Either way the shard is complete
+before the next trace starts: memory holds one batch whatever the corpus's size. A rerun
+continues after the last shard written.
 """
 
 from __future__ import annotations
@@ -23,10 +26,17 @@ from envoykit._compat import Model, Tokenizer
 from envoykit.analyses import corpus, request
 from envoykit.analyses.corpus import Piece, batches, pieces
 from envoykit.analyses.request import Documents, LayerSpec, PositionSpec, Row
-from envoykit.errors import InvalidRequest
+from envoykit.errors import EnvoykitError, InvalidRequest
 from envoykit.model.envoys import first_rank
 from envoykit.model.readout import Readout, at, walk
-from envoykit.results.activations import StoreWriter, row_key, text_chain
+from envoykit.results.activations import (
+    PLACES,
+    ShardFile,
+    StoreWriter,
+    row_key,
+    text_chain,
+    write_rows,
+)
 from envoykit.results.lens import SITES
 
 if TYPE_CHECKING:
@@ -53,8 +63,11 @@ def activations(
     keep: Sequence[Sequence[int]],
     dtype: torch.dtype,
     guard: Callable[[], AbstractContextManager],
-) -> list[torch.Tensor]:
-    """One trace over ``batch``: per piece ``[rows, len(keep[i]), d_model]`` in ``dtype``."""
+    shard: ShardFile | None = None,
+) -> list[Any]:
+    """One trace over ``batch``. Without ``shard``: per piece ``[rows, len(keep[i]), d_model]``
+    in ``dtype``. With it: the first rank writes each piece's rows into ``shard`` (its tokens
+    one piece after another) and each piece's value is the bytes it wrote."""
     import nnsight
 
     order = sorted(rows, key=lambda row: (row[0], SITES.index(row[1])))  # as `walk` reads
@@ -62,29 +75,46 @@ def activations(
     for layer, site in order:
         reads.setdefault(layer, set()).add(site)
     picked = [order.index(row) for row in rows]
+    keys = [row_key(layer, site) for layer, site in rows]
+    firsts = [sum(len(kept) for kept in keep[:i]) for i in range(len(keep))]
+    path = "" if shard is None else str(shard.path)  # "": the rows come back as saves
     # Each invoke's code travels to the ranks pickled on its own, and an envoy pickles with
     # every envoy below it: the decoder layers were 50 kB an invoke, 1.6 MB a batch, pickled
     # by this process and unpickled by every rank. The ranks find their own layers from the
     # interleaver, which travels as a reference.
     interleaver = compat.interleaver_by_reference(model)
     with guard(), model.trace(temperature=0.0, max_tokens=1) as tracer:
-        for piece, kept in zip(batch, keep):
+        for piece, kept, first in zip(batch, keep, firsts):
             where = torch.tensor(kept, dtype=torch.long)  # (empty for a short piece)
+            offsets = [] if shard is None else shard.offsets(keys, first)
             with tracer.invoke(list(piece.ids)):
                 layer_list = at(compat.rank_root(interleaver), readout.layers)
                 streams = walk(readout, layer_list, reads, {})
                 # Every rank reads the same whole values (a read may be a collective), but
-                # only the first sends them: the client keeps one rank's saves, and at TP=3
-                # three copies of every batch were pickled, sent and unpickled.
+                # only the first writes or sends them: at TP=3 three copies of every batch
+                # were pickled, sent and unpickled.
                 if first_rank():
                     # A stream's pair summed, a block's write as it is.
                     values = [v if r is None else v + r for v, r in streams]
-                    out = nnsight.save(
-                        torch.stack([values[i][where.to(values[i].device)] for i in picked])
-                        .to(dtype)
-                        .cpu()
-                    )
+                    kept_rows = [
+                        values[i][where.to(values[i].device)].to(dtype).cpu() for i in picked
+                    ]
+                    if not path:
+                        out = nnsight.save(torch.stack(kept_rows))
+                    else:
+                        out = nnsight.save(write_rows(path, offsets, kept_rows))
     return out if len(batch) > 1 else [out]
+
+
+def places(batch: Sequence[Piece], keep: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+    """Each kept token's id, document and position, in corpus order (a shard's `PLACES`)."""
+    kept = [(piece, p) for piece, positions in zip(batch, keep) for p in positions]
+    values = {
+        "token_ids": [piece.ids[p] for piece, p in kept],
+        "document": [piece.doc for piece, _ in kept],
+        "position": [piece.start + p for piece, p in kept],
+    }
+    return {key: torch.tensor(values[key], dtype=torch.int64) for key in PLACES}
 
 
 def shard_tensors(
@@ -98,11 +128,39 @@ def shard_tensors(
         row_key(layer, site): torch.cat([value[i] for value in values]).contiguous()
         for i, (layer, site) in enumerate(rows)
     }
-    kept = [(piece, p) for piece, positions in zip(batch, keep) for p in positions]
-    tensors["token_ids"] = torch.tensor([piece.ids[p] for piece, p in kept], dtype=torch.int64)
-    tensors["document"] = torch.tensor([piece.doc for piece, _ in kept], dtype=torch.int64)
-    tensors["position"] = torch.tensor([piece.start + p for piece, p in kept], dtype=torch.int64)
-    return tensors
+    return {**tensors, **places(batch, keep)}
+
+
+def write_shard(
+    model: Model,
+    readout: Readout,
+    writer: StoreWriter,
+    batch: Sequence[Piece],
+    rows: Sequence[Row],
+    keep: Sequence[Sequence[int]],
+    dtype: str,
+    d_model: int,
+    guard: Callable[[], AbstractContextManager],
+    end: int,
+    chain: str,
+) -> None:
+    """One batch written by the first rank into a shard laid out for it, then named in the
+    index. A failed or cancelled trace removes the shard's temporary file; one a killed
+    kernel leaves is removed by the next run of the collection."""
+    keys = [row_key(layer, site) for layer, site in rows]
+    shard = writer.open_shard(keys, sum(len(kept) for kept in keep), d_model, dtype)
+    wanted = getattr(torch, dtype)
+    try:
+        written = sum(activations(model, readout, batch, rows, keep, wanted, guard, shard))
+        if written != shard.row_bytes:
+            raise EnvoykitError(
+                f"the first rank wrote {written} of the {shard.row_bytes} bytes of "
+                f"{shard.name}'s rows; the shards before it are intact"
+            )
+    except BaseException:
+        shard.path.unlink(missing_ok=True)
+        raise
+    writer.close_shard(shard, places(batch, keep), end, chain)
 
 
 class ChainedTexts:
@@ -162,9 +220,12 @@ def run(
     vocab: int,
     guard: Callable[[], AbstractContextManager],
     progress: Any,
+    d_model: int,
+    ranks_write: bool,
 ) -> None:
     """Collect ``texts`` into ``writer``'s store after the documents it already holds;
-    ``progress`` (a tqdm bar) counts tokens."""
+    ``progress`` (a tqdm bar) counts tokens. ``ranks_write``: the first rank writes each
+    shard's rows (`write_shard`), or they come back as saves (the ranks are elsewhere)."""
     done = writer.documents_done
     corpus = ChainedTexts(texts, done, writer.index["chain"])
     # The documents the store holds are hashed, not tokenized: numbering starts after them.
@@ -172,13 +233,18 @@ def run(
         Piece(piece.doc + done, piece.start, piece.ids)
         for piece in pieces(tokenizer, corpus, max_length, vocab)
     )
-    wanted = getattr(torch, dtype)
     for batch in batches(stream, batch_tokens):
         keep = [piece_positions(piece, positions) for piece in batch]
-        values = activations(model, readout, batch, rows, keep, wanted, guard)
         # A batch holds whole documents, so the store then covers all up to its last.
         end = batch[-1].doc + 1
-        writer.add_shard(shard_tensors(batch, keep, values, rows), end, corpus.chain_at(end))
+        if ranks_write:
+            write_shard(
+                model, readout, writer, batch, rows, keep, dtype, d_model, guard, end,
+                corpus.chain_at(end),
+            )  # fmt: skip
+        else:
+            values = activations(model, readout, batch, rows, keep, getattr(torch, dtype), guard)
+            writer.add_shard(shard_tensors(batch, keep, values, rows), end, corpus.chain_at(end))
         progress.update(sum(len(piece.ids) for piece in batch))
         progress.set_postfix(documents=end, refresh=False)
     # Documents with no tokens after the last shard still count as collected.
@@ -250,6 +316,8 @@ def collect(
             vocab,
             engine.exclusive,
             bar,
+            engine.info.d_model,
+            engine.ranks_see_this_disk,
         )
     return Activations.open(out)
 

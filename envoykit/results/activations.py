@@ -26,7 +26,9 @@ import errno
 import hashlib
 import json
 import os
+import struct
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,10 @@ VERSION = 1
 INDEX = "index.json"
 # The index keys that must match for a rerun to continue a store.
 SETTINGS = ("model", "rows", "positions", "dtype", "max_length")
+# Each token's place in the corpus, one int64 tensor each in every shard.
+PLACES = ("token_ids", "document", "position")
+# safetensors' names and element sizes of the stored dtypes.
+SAFETENSORS_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 
 
 class StoreWriteError(EnvoykitError, OSError):
@@ -56,6 +62,76 @@ def text_chain(previous: str, text: str) -> str:
     """The hash chain over a corpus's texts, one link per document."""
     link = previous + hashlib.sha256(text.encode()).hexdigest()
     return hashlib.sha256(link.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """A shard laid out on disk before its rows exist: a temporary file of its final size
+    with safetensors' header written, so that each piece's rows can be written straight to
+    their place (`envoykit.ranks.store.write_rows`) by whichever process holds them.
+
+    The token places come first (int64, 8-byte aligned from an 8-byte aligned start), then one
+    ``[tokens, d_model]`` tensor per row key, each piece's tokens after the previous piece's."""
+
+    path: Path  # the temporary file, renamed into place once complete
+    name: str  # the shard's file name in the store
+    tokens: int
+    token_bytes: int  # bytes of one token's row: d_model x the dtype's size
+    begins: Mapping[str, int]  # each tensor's first byte in the file
+
+    def offsets(self, keys: Sequence[str], token: int) -> list[int]:
+        """Where the rows ``keys`` of the token ``token`` of this shard start (a place's
+        first byte for token 0)."""
+        return [self.begins[key] + token * self.token_bytes for key in keys]
+
+    @property
+    def row_bytes(self) -> int:
+        """What all the row keys' tensors take together."""
+        return (len(self.begins) - len(PLACES)) * self.tokens * self.token_bytes
+
+
+def write_rows(path: str, offsets: Sequence[int], rows: Sequence[Any]) -> int:
+    """Each of ``rows`` (CPU tensors) written whole at its offset in the file at ``path``;
+    the bytes written, which the client checks against its `ShardFile`.
+
+    An in-process collection's first rank calls this for each piece it computed, so a
+    shard's rows never travel: shipped as saves they were pickled by the rank, passed
+    through the engine core, unpickled by the client, concatenated, serialised again and
+    written, several copies of 141 MB a batch when every layer of ``demo`` is collected,
+    on the cores the prefill needs."""
+    import torch
+
+    written = 0
+    descriptor = os.open(path, os.O_WRONLY)
+    try:
+        for offset, row in zip(offsets, rows, strict=True):
+            data = memoryview(row.contiguous().view(torch.uint8).numpy().reshape(-1))
+            while data:  # a write to a regular file may stop short of a large buffer
+                done = os.pwrite(descriptor, data, offset)
+                data, offset, written = data[done:], offset + done, written + done
+    finally:
+        os.close(descriptor)
+    return written
+
+
+def shard_header(
+    keys: Sequence[str], tokens: int, d_model: int, dtype: str
+) -> tuple[bytes, dict[str, int], int]:
+    """safetensors' header for a shard of ``keys`` rows, with each tensor's first byte in
+    the file and the file's size."""
+    name, size = SAFETENSORS_DTYPES[dtype]
+    layout = [(key, "I64", [tokens], 8 * tokens) for key in PLACES]
+    layout += [(key, name, [tokens, d_model], tokens * d_model * size) for key in keys]
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
+    spans, end = {}, 0
+    for key, kind, shape, length in layout:
+        header[key] = {"dtype": kind, "shape": shape, "data_offsets": [end, end + length]}
+        spans[key], end = end, end + length
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data then starts 8-byte aligned, as safetensors writes
+    start = 8 + len(text)
+    begins = {key: start + span for key, span in spans.items()}
+    return struct.pack("<Q", len(text)) + text, begins, start + end
 
 
 class StoreWriter:
@@ -107,8 +183,7 @@ class StoreWriter:
         (exclusive) whose texts hash to ``chain``, and name it in the index."""
         from safetensors.torch import save
 
-        name = f"shard-{len(self.index['shards']):05d}.safetensors"
-        tokens = int(tensors["token_ids"].shape[0])
+        name = self._next_name()
         temporary = self.path / (name + ".tmp")
         # Serialised here and written by Python, whose OSError carries the errno (safetensors'
         # own file writer reports a full disk as a SafetensorError of text).
@@ -119,6 +194,42 @@ class StoreWriter:
         except OSError as error:
             temporary.unlink(missing_ok=True)
             raise self._write_error(name, error) from error
+        self._name_shard(name, int(tensors["token_ids"].shape[0]), documents, chain)
+
+    def open_shard(self, keys: Sequence[str], tokens: int, d_model: int, dtype: str) -> ShardFile:
+        """The next shard laid out for ``tokens`` tokens of the rows ``keys``, its space
+        taken on disk now: a full disk fails here, before any rank has written to it."""
+        name = self._next_name()
+        temporary = self.path / (name + ".tmp")
+        header, begins, size = shard_header(keys, tokens, d_model, dtype)
+        try:
+            with open(temporary, "wb") as file:
+                file.write(header)
+                file.flush()
+                os.posix_fallocate(file.fileno(), 0, size)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            raise self._write_error(name, error) from error
+        token_bytes = d_model * SAFETENSORS_DTYPES[dtype][1]
+        return ShardFile(temporary.resolve(), name, tokens, token_bytes, begins)
+
+    def close_shard(
+        self, shard: ShardFile, places: Mapping[str, Any], documents: int, chain: str
+    ) -> None:
+        """Write the token ``places`` (int64 tensors of `PLACES`) into ``shard``, whose rows
+        are all written, and name it in the index as `add_shard` does."""
+        try:
+            write_rows(str(shard.path), shard.offsets(PLACES, 0), [places[k] for k in PLACES])
+            os.replace(shard.path, self.path / shard.name)
+        except OSError as error:
+            shard.path.unlink(missing_ok=True)
+            raise self._write_error(shard.name, error) from error
+        self._name_shard(shard.name, shard.tokens, documents, chain)
+
+    def _next_name(self) -> str:
+        return f"shard-{len(self.index['shards']):05d}.safetensors"
+
+    def _name_shard(self, name: str, tokens: int, documents: int, chain: str) -> None:
         shard = {"file": name, "documents": [self.documents_done, documents], "tokens": tokens}
         self.index["shards"].append(shard)
         self.index.update(

@@ -26,8 +26,8 @@ from envoykit._compat import Model, Tokenizer
 from envoykit.analyses import corpus, request
 from envoykit.analyses.corpus import Piece, batches, pieces
 from envoykit.analyses.request import Documents, LayerSpec, PositionSpec, Row
-from envoykit.errors import EnvoykitError, InvalidRequest
-from envoykit.model.envoys import first_rank
+from envoykit.errors import InvalidRequest
+from envoykit.model.envoys import first_rank, rank_share
 from envoykit.model.readout import Readout, at, walk
 from envoykit.results.activations import (
     PLACES,
@@ -64,10 +64,10 @@ def activations(
     dtype: torch.dtype,
     guard: Callable[[], AbstractContextManager],
     shard: ShardFile | None = None,
-) -> list[Any]:
+) -> list[torch.Tensor]:
     """One trace over ``batch``. Without ``shard``: per piece ``[rows, len(keep[i]), d_model]``
-    in ``dtype``. With it: the first rank writes each piece's rows into ``shard`` (its tokens
-    one piece after another) and each piece's value is the bytes it wrote."""
+    in ``dtype``. With it, the ranks write each piece's rows into ``shard`` (its tokens one
+    piece after another), and nothing comes back."""
     import nnsight
 
     order = sorted(rows, key=lambda row: (row[0], SITES.index(row[1])))  # as `walk` reads
@@ -78,11 +78,13 @@ def activations(
     keys = [row_key(layer, site) for layer, site in rows]
     firsts = [sum(len(kept) for kept in keep[:i]) for i in range(len(keep))]
     path = "" if shard is None else str(shard.path)  # "": the rows come back as saves
+    token_bytes = 0 if shard is None else shard.token_bytes
     # Each invoke's code travels to the ranks pickled on its own, and an envoy pickles with
     # every envoy below it: the decoder layers were 50 kB an invoke, 1.6 MB a batch, pickled
     # by this process and unpickled by every rank. The ranks find their own layers from the
     # interleaver, which travels as a reference.
     interleaver = compat.interleaver_by_reference(model)
+    out: Any = None  # the first rank's saves, one per invoke, pushed back after the trace
     with guard(), model.trace(temperature=0.0, max_tokens=1) as tracer:
         for piece, kept, first in zip(batch, keep, firsts):
             where = torch.tensor(kept, dtype=torch.long)  # (empty for a short piece)
@@ -90,20 +92,32 @@ def activations(
             with tracer.invoke(list(piece.ids)):
                 layer_list = at(compat.rank_root(interleaver), readout.layers)
                 streams = walk(readout, layer_list, reads, {})
-                # Every rank reads the same whole values (a read may be a collective), but
-                # only the first writes or sends them: at TP=3 three copies of every batch
-                # were pickled, sent and unpickled.
-                if first_rank():
-                    # A stream's pair summed, a block's write as it is.
-                    values = [v if r is None else v + r for v, r in streams]
-                    kept_rows = [
-                        values[i][where.to(values[i].device)].to(dtype).cpu() for i in picked
-                    ]
-                    if not path:
-                        out = nnsight.save(torch.stack(kept_rows))
-                    else:
-                        out = nnsight.save(write_rows(path, offsets, kept_rows))
+                # Every rank reads the same whole values (a read may be a collective).
+                # A stream's pair summed, a block's write as it is.
+                whole = [v if r is None else v + r for v, r in streams]
+                if path:
+                    # Each rank writes every tp-th row: three ranks sharing two cores wait
+                    # for the slowest at the next layer's all-reduce.
+                    mine = rank_share(len(picked))
+                    write_rows(
+                        path,
+                        [offsets[i] for i in mine],
+                        stored_rows(whole, [picked[i] for i in mine], where, dtype),
+                        len(kept) * token_bytes,
+                    )
+                elif first_rank():  # the client keeps one rank's saves: one rank sends them
+                    out = nnsight.save(torch.stack(stored_rows(whole, picked, where, dtype)))
+    if shard is not None:
+        return []
     return out if len(batch) > 1 else [out]
+
+
+def stored_rows(
+    values: Sequence[torch.Tensor], indices: Sequence[int], where: torch.Tensor, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """On a rank: the ``indices`` of a piece's ``values`` at the positions ``where``, as
+    stored (``dtype``, on the CPU)."""
+    return [values[i][where.to(values[i].device)].to(dtype).cpu() for i in indices]
 
 
 def places(batch: Sequence[Piece], keep: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
@@ -144,19 +158,13 @@ def write_shard(
     end: int,
     chain: str,
 ) -> None:
-    """One batch written by the first rank into a shard laid out for it, then named in the
+    """One batch written by the ranks into a shard laid out for it, then named in the
     index. A failed or cancelled trace removes the shard's temporary file; one a killed
     kernel leaves is removed by the next run of the collection."""
     keys = [row_key(layer, site) for layer, site in rows]
     shard = writer.open_shard(keys, sum(len(kept) for kept in keep), d_model, dtype)
-    wanted = getattr(torch, dtype)
     try:
-        written = sum(activations(model, readout, batch, rows, keep, wanted, guard, shard))
-        if written != shard.row_bytes:
-            raise EnvoykitError(
-                f"the first rank wrote {written} of the {shard.row_bytes} bytes of "
-                f"{shard.name}'s rows; the shards before it are intact"
-            )
+        activations(model, readout, batch, rows, keep, getattr(torch, dtype), guard, shard)
     except BaseException:
         shard.path.unlink(missing_ok=True)
         raise

@@ -269,6 +269,16 @@ def first_rank() -> bool:
     return bool(get_tp_group().rank_in_group == 0)
 
 
+def rank_share(count: int) -> range:
+    """Which of ``count`` equal jobs, that every rank could do alike, are this rank's: every
+    ``tp``-th from its own number. Where ranks share cores, one rank's extra work stalls the
+    others at the next collective, so work that need not be one rank's is spread."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    return range(group.rank_in_group, count, group.world_size)
+
+
 def gather_ranks(value: torch.Tensor) -> torch.Tensor:
     """``[ranks, *value.shape]``: every rank's ``value`` in rank order, the same on every
     rank (the tensor-parallel group's all-gather, on whatever device and backend the engine

@@ -84,34 +84,32 @@ class ShardFile:
         first byte for token 0)."""
         return [self.begins[key] + token * self.token_bytes for key in keys]
 
-    @property
-    def row_bytes(self) -> int:
-        """What all the row keys' tensors take together."""
-        return (len(self.begins) - len(PLACES)) * self.tokens * self.token_bytes
 
+def write_rows(path: str, offsets: Sequence[int], rows: Sequence[Any], row_bytes: int) -> None:
+    """Each of ``rows`` (CPU tensors of ``row_bytes`` bytes each, as the `ShardFile` laid
+    them out) written whole at its offset in the file at ``path``.
 
-def write_rows(path: str, offsets: Sequence[int], rows: Sequence[Any]) -> int:
-    """Each of ``rows`` (CPU tensors) written whole at its offset in the file at ``path``;
-    the bytes written, which the client checks against its `ShardFile`.
-
-    An in-process collection's first rank calls this for each piece it computed, so a
-    shard's rows never travel: shipped as saves they were pickled by the rank, passed
-    through the engine core, unpickled by the client, concatenated, serialised again and
-    written, several copies of 141 MB a batch when every layer of ``demo`` is collected,
-    on the cores the prefill needs."""
+    An in-process collection's ranks call this for each piece they computed, so a shard's
+    rows never travel: shipped as saves they were pickled by the rank, passed through the
+    engine core, unpickled by the client, concatenated, serialised again and written, several
+    copies of 141 MB a batch when every layer of ``demo`` is collected, on the cores the
+    prefill needs."""
     import torch
 
-    written = 0
     descriptor = os.open(path, os.O_WRONLY)
     try:
         for offset, row in zip(offsets, rows, strict=True):
             data = memoryview(row.contiguous().view(torch.uint8).numpy().reshape(-1))
+            if len(data) != row_bytes:  # a row of another shape would overwrite its neighbour
+                raise ValueError(
+                    f"a row of {tuple(row.shape)} {row.dtype} is {len(data)} bytes; the shard "
+                    f"laid out {row_bytes} for it"
+                )
             while data:  # a write to a regular file may stop short of a large buffer
                 done = os.pwrite(descriptor, data, offset)
-                data, offset, written = data[done:], offset + done, written + done
+                data, offset = data[done:], offset + done
     finally:
         os.close(descriptor)
-    return written
 
 
 def shard_header(
@@ -219,7 +217,8 @@ class StoreWriter:
         """Write the token ``places`` (int64 tensors of `PLACES`) into ``shard``, whose rows
         are all written, and name it in the index as `add_shard` does."""
         try:
-            write_rows(str(shard.path), shard.offsets(PLACES, 0), [places[k] for k in PLACES])
+            tensors = [places[key] for key in PLACES]
+            write_rows(str(shard.path), shard.offsets(PLACES, 0), tensors, 8 * shard.tokens)
             os.replace(shard.path, self.path / shard.name)
         except OSError as error:
             shard.path.unlink(missing_ok=True)

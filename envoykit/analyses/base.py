@@ -46,7 +46,7 @@ class EngineBase:
     lens: Callable[..., Any]
     # Whether the ranks run on this machine as this process's user: a collection's first rank
     # then writes each shard's rows into the store itself (`envoykit.analyses.collect`).
-    ranks_see_this_disk = True
+    _ranks_see_this_disk = True
 
     @property
     def model(self) -> Any:

@@ -325,7 +325,7 @@ def collect(
             engine.exclusive,
             bar,
             engine.info.d_model,
-            engine.ranks_see_this_disk,
+            engine._ranks_see_this_disk,
         )
     return Activations.open(out)
 

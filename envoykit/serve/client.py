@@ -93,7 +93,7 @@ class Connection(EngineSurface):
 
     # The server may be another machine's (a tunnelled port): a collection's rows come back
     # with its traces and this process writes the store.
-    ranks_see_this_disk = False
+    _ranks_see_this_disk = False
 
     def __init__(self, url: str, token: str, timeout: float = DEFAULT_TIMEOUT) -> None:
         import httpx

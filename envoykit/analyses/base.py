@@ -44,8 +44,8 @@ class EngineBase:
     # The lens, bound by the surface (`envoykit.analyses.lens.lens`): a tuned lens measures
     # itself with it. Declared here, not imported, as the lens's module imports this one.
     lens: Callable[..., Any]
-    # Whether the ranks run on this machine as this process's user: a collection's first rank
-    # then writes each shard's rows into the store itself (`envoykit.analyses.collect`).
+    # Whether the ranks run on this machine as this process's user: a collection's ranks then
+    # write each shard's rows into the store themselves (`envoykit.analyses.collect`).
     _ranks_see_this_disk = True
 
     @property

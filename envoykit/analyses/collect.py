@@ -5,11 +5,11 @@ invoke per piece, so vLLM batches them); on the ranks each piece's rows are read
 lens reads them (`envoykit.model.readout.walk`: the residual stream whole at every TP size,
 a block's write as it enters the stream), cut to the positions asked for and cast to the
 store's dtype there. The batch becomes one shard (`envoykit.results.activations`): for an
-engine in this process the shard is laid out on disk before the trace and the first rank
-writes each piece's rows into it, so they never travel; for a served engine the rows come
-back as the trace's saves and this process writes them. Either way the shard is complete
-before the next trace starts: memory holds one batch whatever the corpus's size. A rerun
-continues after the last shard written.
+engine in this process the shard is laid out on disk before the trace and the ranks write
+each piece's rows into it (each its share), so they never travel; for a served engine the
+rows come back as the trace's saves and this process writes them. Either way the shard is
+complete before the next trace starts: memory holds one batch whatever the corpus's size. A
+rerun continues after the last shard written.
 """
 
 from __future__ import annotations
@@ -232,8 +232,8 @@ def run(
     ranks_write: bool,
 ) -> None:
     """Collect ``texts`` into ``writer``'s store after the documents it already holds;
-    ``progress`` (a tqdm bar) counts tokens. ``ranks_write``: the first rank writes each
-    shard's rows (`write_shard`), or they come back as saves (the ranks are elsewhere)."""
+    ``progress`` (a tqdm bar) counts tokens. ``ranks_write``: the ranks write each shard's
+    rows (`write_shard`), or they come back as saves (the ranks are elsewhere)."""
     done = writer.documents_done
     corpus = ChainedTexts(texts, done, writer.index["chain"])
     # The documents the store holds are hashed, not tokenized: numbering starts after them.

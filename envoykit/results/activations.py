@@ -68,7 +68,7 @@ def text_chain(previous: str, text: str) -> str:
 class ShardFile:
     """A shard laid out on disk before its rows exist: a temporary file of its final size
     with safetensors' header written, so that each piece's rows can be written straight to
-    their place (`envoykit.ranks.store.write_rows`) by whichever process holds them.
+    their place (`write_rows`) by whichever process holds them.
 
     The token places come first (int64, 8-byte aligned from an 8-byte aligned start), then one
     ``[tokens, d_model]`` tensor per row key, each piece's tokens after the previous piece's."""

@@ -93,8 +93,6 @@ def activations(
                 layer_list = at(compat.rank_root(interleaver), readout.layers)
                 streams = walk(readout, layer_list, reads, {})
                 # Every rank reads the same whole values (a read may be a collective).
-                # A stream's pair summed, a block's write as it is.
-                whole = [v if r is None else v + r for v, r in streams]
                 if path:
                     # Each rank writes every tp-th row: three ranks sharing two cores wait
                     # for the slowest at the next layer's all-reduce.
@@ -102,22 +100,31 @@ def activations(
                     write_rows(
                         path,
                         [offsets[i] for i in mine],
-                        stored_rows(whole, [picked[i] for i in mine], where, dtype),
+                        stored_rows(streams, [picked[i] for i in mine], where, dtype),
                         len(kept) * token_bytes,
                     )
                 elif first_rank():  # the client keeps one rank's saves: one rank sends them
-                    out = nnsight.save(torch.stack(stored_rows(whole, picked, where, dtype)))
+                    out = nnsight.save(torch.stack(stored_rows(streams, picked, where, dtype)))
     if shard is not None:
         return []
     return out if len(batch) > 1 else [out]
 
 
 def stored_rows(
-    values: Sequence[torch.Tensor], indices: Sequence[int], where: torch.Tensor, dtype: torch.dtype
+    streams: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    indices: Sequence[int],
+    where: torch.Tensor,
+    dtype: torch.dtype,
 ) -> list[torch.Tensor]:
-    """On a rank: the ``indices`` of a piece's ``values`` at the positions ``where``, as
-    stored (``dtype``, on the CPU)."""
-    return [values[i][where.to(values[i].device)].to(dtype).cpu() for i in indices]
+    """On a rank: the rows ``indices`` of a piece's ``streams`` (as `walk` reads them) at the
+    positions ``where``, as stored (``dtype``, on the CPU). A stream's pair is summed, a
+    block's write taken as it is; only the rows this rank stores are summed."""
+    rows = []
+    for i in indices:
+        value, residual = streams[i]
+        whole = value if residual is None else value + residual
+        rows.append(whole[where.to(whole.device)].to(dtype).cpu())
+    return rows
 
 
 def places(batch: Sequence[Piece], keep: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:

@@ -1122,13 +1122,22 @@ CANCELLED_RUN = (
 )
 
 
+def type_prompt(box: Any, state: Callable[[], dict], text: str) -> None:
+    """Type ``text`` into the explorer's prompt and wait until the kernel has it. A widget's
+    value reaches the kernel as a sync that ipywidgets holds back while its last one is
+    unanswered, while a button's click is sent at once: a Run pressed straight after typing
+    could overtake the text on a loaded machine and lens the prompt before it."""
+    box.fill(text)
+    wait_for(lambda: state().get("prompt") == text, 30, f"the kernel to hear the prompt {text!r}")
+
+
 def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_button: Any) -> None:
     """A Run of a long prompt, cancelled the moment Cancel can be pressed: the lens stops on
     the ranks, the explorer says "cancelled" with no traceback, dims the heatmap it leaves,
     and gives Run back; the next Run draws. Whether the lens (under a second on ``tiny``)
     ends before the Cancel lands is not in the test's hands, so that case tries again; with
     two prompts, the Cancel may land during either prompt's lens or between them."""
-    prompt_box.fill("The capital of France is " * 32)
+    type_prompt(prompt_box, state, "The capital of France is " * 32)
     for _ in range(6):
         # Resolved once Cancel is pressed: Run is disabled by then (the kernel disables it
         # before it enables Cancel), and enabled again only once the Run has ended.
@@ -1145,7 +1154,7 @@ def cancel_a_run(page: Any, state: Callable[[], dict], prompt_box: Any, run_butt
     assert page.locator(".ek-main-heatmap.ek-stale").count() == 1
     assert "Traceback" not in page.locator(".ek-explorer").inner_text()
     assert page.locator(".ek-run-cancel").is_disabled()
-    prompt_box.fill(PROMPT)
+    type_prompt(prompt_box, state, PROMPT)
     run_button.click()
     wait_for(lambda: "took" in state()["status"] and not state()["message"], 120, "a Run")
 
@@ -1253,7 +1262,7 @@ def unpin_tuned_refused_and_dark(page: Any, state: Callable[[], dict], run_butto
     several_tokens_and_a_trailing_comma(page)
     prompt_box = page.locator(".widget-textarea textarea").first
     cancel_a_run(page, state, prompt_box, run_button)
-    prompt_box.fill("")
+    type_prompt(prompt_box, state, "")
     run_button.click()
     wait_for(lambda: "the prompt is empty" in state().get("message", ""), 60, "the refusal")
     shows(page, "the prompt is empty")
@@ -1261,7 +1270,7 @@ def unpin_tuned_refused_and_dark(page: Any, state: Callable[[], dict], run_butto
     wait_for(lambda: stale.count() == 1, 30, "the heatmap left dimmed")
     shows(page, "still shows the previous run")
     assert "Traceback" not in page.locator(".jp-OutputArea").first.inner_text()
-    prompt_box.fill(PROMPT)
+    type_prompt(prompt_box, state, PROMPT)
     run_button.click()
     wait_for(lambda: (s := state()).get("message") == "" and "rows" in s["status"], 120, "a Run")
     wait_for(lambda: stale.count() == 0, 30, "the heatmap undimmed")
@@ -1668,10 +1677,14 @@ def test_explorer_in_jupyterlab(browser, tmp_path):
         )
         wait_for((tmp_path / "closed").exists, 60, "the engine to close")
         timings["close"] = time.monotonic() - t
-    except Exception:
+    except Exception as err:
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "explorer_jupyterlab_failure.png"))
-        (ARTIFACTS / "explorer_jupyterlab_failure.json").write_text(json.dumps(state()))
+        seen = state()
+        (ARTIFACTS / "explorer_jupyterlab_failure.json").write_text(json.dumps(seen))
+        # What the kernel said last, in the report itself (a CI log keeps no artifacts).
+        err.add_note(f"kernel's message: {seen.get('message')!r}")
+        err.add_note(f"kernel's status: {seen.get('status')!r}")
         raise
     finally:
         page.close()

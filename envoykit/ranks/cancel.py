@@ -6,8 +6,10 @@ two steps, so a Cancel would wait for the whole step. Instead each lens carries 
 a cancel is a flag file named after it in the engine's scratch directory, which is every
 rank's ``TMPDIR``: the client writes it (`flag_path`), or the server does for a client
 (``POST /v1/envoykit/cancel/{key}``). Before each chunk every rank looks for the flag, and
-the ranks agree on what they saw with one all-gather of one number: a collective, so every
-rank stops at the same chunk and none is left waiting in an exchange. They raise
+the ranks agree on what they saw in an exchange, so every rank stops at the same chunk and
+none is left waiting in another: the lens sends the flag with the chunk's summaries (one
+number more in an exchange it makes anyway, so it stops before the chunk's sums), a
+generation with one all-gather of one number a step (`stop_if_cancelled`). They raise
 `LensCancelled`; the request ends with that error and the engine serves the next one.
 """
 
@@ -70,12 +72,18 @@ def cancel_message(key: str) -> str:
     return f"lens {key} cancelled"
 
 
+def flag_seen(key: str) -> bool:
+    """On a rank: whether it sees the flag of ``key``. The ranks must still agree on it in
+    an exchange: `stop_if_cancelled`, or the flag sent with a chunk's summaries
+    (`envoykit.ranks.vocab_parallel.flagged_summaries`)."""
+    return os.path.exists(flag_path(tempfile.gettempdir(), key))
+
+
 def stop_if_cancelled(shard: VocabShard, key: str | None, device: torch.device) -> None:
     """On a rank, inside the trace: raise `LensCancelled` on every rank once any rank sees
     the flag of ``key`` (None: this lens cannot be cancelled; nothing is exchanged)."""
     if key is None:
         return
-    seen = os.path.exists(flag_path(tempfile.gettempdir(), key))
-    flags = shard.gather(torch.tensor([float(seen)], device=device))
+    flags = shard.gather(torch.tensor([float(flag_seen(key))], device=device))
     if bool(flags.max() > 0):
         raise LensCancelled(cancel_message(key))

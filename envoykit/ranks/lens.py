@@ -18,7 +18,7 @@ import torch
 from envoykit.model.readout import normalize
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import vocab_parallel
-from envoykit.ranks.cancel import stop_if_cancelled
+from envoykit.ranks.cancel import LensCancelled, cancel_message, flag_seen
 
 # A rank's slice of the float32 logits (and what is computed from them) per unembedding call
 # stays under this.
@@ -46,7 +46,8 @@ def lens_statistics(
     them): ``top_ids``/``top_probs`` ``[layers, positions, k]``,
     ``entropy``/``kl`` ``[layers, positions]``, ``target_probs``/``target_ranks``
     ``[layers, positions, targets]`` (rank 0 = the most likely token). ``cancel``: the
-    lens's cancel key, looked for before each chunk (`envoykit.ranks.cancel`).
+    lens's cancel key, looked for before each chunk and agreed on in its summaries'
+    exchange (`envoykit.ranks.cancel`).
     """
     rows = [normalize(norm, value, residual) for value, residual in streams]
     device = rows[0].device
@@ -92,11 +93,13 @@ def _reduce_positions(
     final: tuple[torch.Tensor, torch.Tensor] | None = None
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
-        stop_if_cancelled(shard, cancel, chunk[0].device)
+        # Looked for before the chunk, agreed on with its summaries.
+        seen = None if cancel is None else flag_seen(cancel)
         logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
-        largest_logit, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
-            shard, logits, top_k, targets
-        )
+        summaries, cancelled = vocab_parallel.flagged_summaries(shard, logits, top_k, targets, seen)
+        if cancelled:
+            raise LensCancelled(cancel_message(str(cancel)))
+        largest_logit, log_sum, top_logp, top_ids, target_logp = summaries
         if final is None:
             final_logp = vocab_parallel.normalized(logits[-1], largest_logit[-1], log_sum[-1])
             final = (final_logp, final_logp.exp())

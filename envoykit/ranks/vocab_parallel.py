@@ -42,9 +42,23 @@ def row_blocks(n_rows: int, size: int, element_size: int) -> list[slice]:
     return [slice(start, start + per_block) for start in range(0, n_rows, per_block)]
 
 
+Summaries = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def summaries(
     shard: VocabShard, logits: torch.Tensor, top_k: int, targets: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Summaries:
+    """`flagged_summaries` with no flag: the summaries alone."""
+    return flagged_summaries(shard, logits, top_k, targets, None)[0]
+
+
+def flagged_summaries(
+    shard: VocabShard,
+    logits: torch.Tensor,
+    top_k: int,
+    targets: Sequence[int],
+    flag: bool | None,
+) -> tuple[Summaries, bool]:
     """From this slice's ``logits`` ``[..., size]`` and one exchange: the whole vocabulary's
     largest logit and log-sum-exp relative to it ``[...]`` (so ``logp = logits - largest -
     log_sum``), its top-k log-probs and token ids ``[..., k]``, the targets' log-probs
@@ -57,13 +71,19 @@ def summaries(
     near-certain token's probability within float32 rounding of 1; a difference of the logit
     and a log-sum-exp near it is off by the rounding of numbers that large (1.00001 summed
     over the top-k, seen on a tuned lens's first layer).
+
+    Also returns whether any rank's ``flag`` was up, sent in the same exchange (one more
+    number per row): a lens's cancel flag (`envoykit.ranks.cancel`) costs no collective of
+    its own, where ranks sharing cores each wait for the one descheduled. ``None``: no flag
+    (every rank passes None alike), so none is read back (a device sync).
     """
     rows = logits.reshape(-1, logits.shape[-1])
     k = min(top_k, shard.size)
-    # Per row: largest, sum of exponentials, k candidates' values then ids, the targets held.
-    # A slice smaller than k sends -inf candidates (id 0), so every rank sends k of them.
-    local = rows.new_zeros(rows.shape[0], 2 + 2 * top_k + len(targets))
+    # Per row: largest, sum of exponentials, k candidates' values then ids, the targets held,
+    # the flag. A slice smaller than k sends -inf candidates (id 0), so every rank sends k.
+    local = rows.new_zeros(rows.shape[0], 2 + 2 * top_k + len(targets) + 1)
     local[:, 2 + k : 2 + top_k] = -torch.inf
+    local[:, -1] = float(bool(flag))
     for block in row_blocks(rows.shape[0], rows.shape[1], rows.element_size()):
         part = rows[block]
         values, ids = part.topk(k, dim=-1)
@@ -82,12 +102,14 @@ def summaries(
     candidate_ids = every[..., 2 + top_k : 2 + 2 * top_k].movedim(0, -2).flatten(-2)
     top_values, picked = candidates.topk(top_k, dim=-1)
     top_ids = candidate_ids.gather(-1, picked).long()
-    target_logits = every[..., 2 + 2 * top_k :].sum(0)
+    target_logits = every[..., 2 + 2 * top_k : -1].sum(0)
+    flagged = flag is not None and bool(every[..., -1].amax() > 0)
 
     def logp(x: torch.Tensor) -> torch.Tensor:
         return (x - whole_largest.unsqueeze(-1)) - log_sum.unsqueeze(-1)
 
-    return whole_largest, log_sum, logp(top_values), top_ids, logp(target_logits)
+    found = (whole_largest, log_sum, logp(top_values), top_ids, logp(target_logits))
+    return found, flagged
 
 
 def normalized(logits: torch.Tensor, largest: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:

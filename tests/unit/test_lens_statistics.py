@@ -14,13 +14,14 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import tempfile
 import threading
 
 import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from envoykit.ranks import lens, vocab_parallel
+from envoykit.ranks import cancel, lens, vocab_parallel
 
 D_MODEL, VOCAB, N_POS, TOP_K = 16, 37, 6, 5
 TARGETS = [3, 11, 36]
@@ -80,6 +81,7 @@ def statistics(
     budget=None,
     head=None,
     shard=None,
+    cancel=None,
 ):
     """The one call of `lens_statistics` every test goes through, as a rank makes it:
     ``(norm, shard, streams, positions, top_k, targets, dtype, budget=...)``; the shard is
@@ -90,15 +92,28 @@ def statistics(
     kwargs = {} if budget is None else {"budget": budget}
     with torch.no_grad():
         return lens.lens_statistics(
-            ToyAddNorm(), shard, streams, positions, top_k, targets, dtype, **kwargs
+            ToyAddNorm(), shard, streams, positions, top_k, targets, dtype, cancel=cancel, **kwargs
         )
 
 
 def on_ranks(n_ranks: int, head=None, **kwargs) -> list[dict[str, torch.Tensor]]:
     """`statistics` on ``n_ranks`` threads, each holding one uneven slice of the head's
     vocabulary; every thread's result."""
+    results = outcomes_on_ranks(n_ranks, head, **kwargs)
+    assert all(isinstance(result, dict) for result in results), f"a rank failed: {results}"
+    return results
+
+
+def slice_bounds(n_ranks: int) -> list[int]:
+    """Where each rank's uneven slice of the vocabulary starts, then the vocabulary's end."""
+    return [round(VOCAB * r / n_ranks) + (r > 0) for r in range(n_ranks)] + [VOCAB]
+
+
+def outcomes_on_ranks(n_ranks: int, head=None, exchanges=None, **kwargs) -> list:
+    """`on_ranks`, with each thread's error in place of its result where it raised;
+    ``exchanges``: a list that gets each exchange's number of values, per rank."""
     head = head if head is not None else CountingHead()
-    bounds = [round(VOCAB * r / n_ranks) + (r > 0) for r in range(n_ranks)] + [VOCAB]
+    bounds = slice_bounds(n_ranks)
     board: list = [None] * n_ranks
     barrier = threading.Barrier(n_ranks, timeout=30)
 
@@ -106,6 +121,8 @@ def on_ranks(n_ranks: int, head=None, **kwargs) -> list[dict[str, torch.Tensor]]
         start, end = bounds[rank], bounds[rank + 1]
 
         def gather(value: torch.Tensor) -> torch.Tensor:
+            if exchanges is not None and rank == 0:
+                exchanges.append(value.numel())
             board[rank] = value
             barrier.wait()
             every = torch.stack(board)
@@ -120,14 +137,18 @@ def on_ranks(n_ranks: int, head=None, **kwargs) -> list[dict[str, torch.Tensor]]
     results: list = [None] * n_ranks
 
     def rank_main(rank: int) -> None:
-        results[rank] = statistics(shard=shard(rank), **kwargs)
+        try:
+            results[rank] = statistics(shard=shard(rank), **kwargs)
+        except Exception as err:
+            results[rank] = err
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n_ranks)]
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}") for r in range(n_ranks)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert all(result is not None for result in results), "a rank failed"
     return results
 
 
@@ -309,3 +330,63 @@ class TestChunking:
         streams, positions = toy_streams(6), torch.tensor([0, 2, 5])
         got = statistics(streams, positions, budget=1)
         assert_matches(got, reference(streams, positions), 2e-5)
+
+
+class TestCancel:
+    """A lens's cancel flag travels in each chunk's summaries: no exchange of its own, and
+    every rank stops at the same chunk even when one rank alone sees the flag."""
+
+    KEY = "0123456789abcdef" * 2
+    # Three ranks' 5 layers in chunks of 2 + 1 + 2: each chunk's logits are cut to the
+    # largest slice's width (`TestChunking`'s "2-layers" budget on one rank).
+    BUDGET = 4 * N_POS * max(b - a for a, b in itertools.pairwise(slice_bounds(3))) * 4
+
+    def test_no_exchange_of_its_own(self):
+        """Three chunks, each with its two exchanges (summaries, then sums) and no third,
+        and the statistics of a lens that cannot be cancelled (no key)."""
+        streams, exchanges = toy_streams(), []
+        budget = self.BUDGET
+        got = outcomes_on_ranks(
+            3, streams=streams, budget=budget, cancel=self.KEY, exchanges=exchanges
+        )
+        assert len(exchanges) == 2 * 3
+        want = on_ranks(3, streams=streams, budget=budget)
+        for mine, theirs in zip(got, want, strict=True):
+            for key in theirs:
+                assert torch.equal(mine[key], theirs[key]), key
+
+    def test_a_flag_one_rank_sees_stops_every_rank_at_that_chunk(self, monkeypatch):
+        """Rank 1 sees the flag before the second chunk: every rank raises `LensCancelled`
+        after that chunk's unembedding and summaries, before its sums or a third chunk."""
+        looks = []
+
+        def flag_seen(key):
+            looks.append(key)
+            return threading.current_thread().name == "rank-1" and len(looks) > 3
+
+        monkeypatch.setattr(lens, "flag_seen", flag_seen)
+        head, exchanges = CountingHead(), []
+        got = outcomes_on_ranks(
+            3,
+            head=head,
+            streams=toy_streams(),
+            budget=self.BUDGET,
+            cancel=self.KEY,
+            exchanges=exchanges,
+        )
+        for outcome in got:
+            assert isinstance(outcome, cancel.LensCancelled), outcome
+            assert cancel.is_cancellation(outcome, self.KEY)
+        assert head.calls == 3 * 2  # two chunks' unembedding on each of three ranks
+        assert len(exchanges) == 3  # chunk 1: summaries and sums; chunk 2: summaries
+
+    def test_a_real_flag_file_stops_the_first_chunk(self, tmp_path, monkeypatch):
+        """The flag as the client raises it, a file in the ranks' scratch directory."""
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        cancel.raise_flag(str(tmp_path), self.KEY)
+        head = CountingHead()
+        got = outcomes_on_ranks(2, head=head, streams=toy_streams(), cancel=self.KEY)
+        assert all(isinstance(outcome, cancel.LensCancelled) for outcome in got), got
+        assert head.calls == 2
+        cancel.lower_flag(str(tmp_path), self.KEY)
+        assert all(isinstance(r, dict) for r in outcomes_on_ranks(2, streams=toy_streams()))

@@ -29,15 +29,9 @@ from envoykit.analyses.request import Documents, LayerSpec, PositionSpec, Row
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import first_rank, rank_share
 from envoykit.model.readout import Readout, at, walk
-from envoykit.results.activations import (
-    PLACES,
-    ShardFile,
-    StoreWriter,
-    row_key,
-    text_chain,
-    write_rows,
-)
+from envoykit.results.activations import PLACES, StoreWriter, row_key, text_chain
 from envoykit.results.lens import SITES
+from envoykit.results.shard_file import ShardFile, write_rows
 
 if TYPE_CHECKING:
     from envoykit.analyses.base import EngineBase

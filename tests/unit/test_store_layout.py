@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load, load_file, save
 
 import envoykit as ek
-from envoykit.results.activations import FORMAT, PLACES, StoreWriter, write_rows
+from envoykit.results.activations import FORMAT, PLACES, StoreWriter
+from envoykit.results.shard_file import write_rows
 
 KEYS = ["resid.3", "mlp.7", "attn.0"]
 

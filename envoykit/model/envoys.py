@@ -15,8 +15,8 @@ refusal or, worse, a silently wrong number:
   unembedding (float hidden states) by the input's dtype.
 * **Merged column layers.** ``qkv_proj`` and ``gate_up_proj`` come back from the all-gather in
   rank order (``[q0,k0,v0,q1,k1,v1]``), unlike TP=1 and the checkpoint (``[q|k|v]``).
-  `CheckpointOrderFragments` reorders them when made whole and cuts edits back into each
-  rank's own layout, so slicing by head means the same thing at every TP size.
+  `envoykit.model.checkpoint_order` reorders them when made whole and cuts edits back into
+  each rank's own layout, so slicing by head means the same thing at every TP size.
 * **Shards nothing gathers.** Modules between a column- and a row-parallel layer that are not
   parallel layers themselves (``mlp.act_fn``, the attention kernel, rotary embedding) hold one
   rank's piece at TP>=2 with no warning. `ShardedEnvoy` refuses reads and writes there with a
@@ -26,7 +26,8 @@ refusal or, worse, a silently wrong number:
 Where each piece lives follows from how nnsight ships trace code: envoys travel to the ranks
 *by value* (their modules and the interleaver by reference), so the envoy classes that run are
 the client's — `EnvoykitVLLM` builds the client tree with this map — while the fragment rules
-belong to each rank's interleaver — `InstallFragments` puts them there. Nothing here is
+belong to each rank's interleaver — `envoykit.model.checkpoint_order.InstallFragments` puts
+them there. Nothing here is
 CPU-specific: the CPU and GPU workers install the same rules.
 """
 
@@ -36,15 +37,12 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 from nnsight.intervention.envoy import Envoy
 from nnsight.modeling.vllm import VLLM
 from nnsight.modeling.vllm.envoys import ParallelEnvoy
-from nnsight.modeling.vllm.fragments import VLLMFragments
-from nnsight.util import apply
 
 from envoykit import _compat as compat
 from envoykit.errors import InvalidRequest, ShardedValue
@@ -391,95 +389,6 @@ def sharded_paths(model: torch.nn.Module) -> list[str]:
                 continue
             found.append(f"{block_name}.{name}" if block_name else name)
     return found
-
-
-class CheckpointOrderFragments(VLLMFragments):
-    """`VLLMFragments` that hands merged column layers back in checkpoint order.
-
-    An all-gather concatenates each rank's ``[q_r | k_r | v_r]``; the checkpoint (and TP=1)
-    has ``[q | k | v]``. Reordered on the way to intervention code, and cut back into the
-    rank's own ``[q_r | k_r | v_r]`` on the way into the model, so an edit written in
-    checkpoint order lands in the right place on every rank.
-    """
-
-    def whole(self, location: str, value: Any) -> tuple[Any, Any]:
-        value, _ = super().whole(location, value)
-        module, side = self.rules[location]
-        if side == "output" and _merged_layout(module) is not None:
-            value = apply(value, partial(_to_checkpoint_order, module), torch.Tensor)
-        return value, partial(self.split, location)
-
-    def split(self, location: str, whole: Any) -> Any:
-        module, side = self.rules[location]
-        if side == "output" and _merged_layout(module) is not None:
-            return apply(whole, partial(_rank_piece, module), torch.Tensor)
-        return super().split(location, whole)
-
-
-def _merged_layout(module: torch.nn.Module) -> list[tuple[int, int]] | None:
-    """Per part of a merged column layer: (size on one rank, ranks holding the same piece).
-
-    KV heads are replicated when there are more ranks than KV heads; the gather then
-    carries each of them ``num_kv_head_replicas`` times and one copy is kept.
-    """
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-
-    if isinstance(module, QKVParallelLinear):
-        replicas = module.num_kv_head_replicas
-        q, k, v = module.output_partition_sizes
-        return [(q, 1), (k, replicas), (v, replicas)]
-    if isinstance(module, MergedColumnParallelLinear):
-        return [(size, 1) for size in module.output_partition_sizes]
-    return None
-
-
-def _to_checkpoint_order(module: torch.nn.Module, gathered: torch.Tensor) -> torch.Tensor:
-    layout = _merged_layout(module)
-    assert layout is not None  # called for merged column layers only
-    per_rank = sum(size for size, _ in layout)
-    if gathered.shape[-1] != per_rank * module.tp_size:
-        return gathered
-    by_rank = gathered.unflatten(-1, (module.tp_size, per_rank))
-    parts = by_rank.split([size for size, _ in layout], dim=-1)
-    return torch.cat(
-        [part[..., ::replicas, :].flatten(-2) for part, (_, replicas) in zip(parts, layout)],
-        dim=-1,
-    )
-
-
-def _rank_piece(module: torch.nn.Module, whole: torch.Tensor) -> torch.Tensor:
-    layout = _merged_layout(module)
-    assert layout is not None  # called for merged column layers only
-    distinct = [module.tp_size // replicas for _, replicas in layout]
-    if whole.shape[-1] != sum(size * n for (size, _), n in zip(layout, distinct)):
-        return whole
-    parts = whole.split([size * n for (size, _), n in zip(layout, distinct)], dim=-1)
-    rank = module.tp_rank
-    pieces = [
-        part.unflatten(-1, (n, size))[..., rank // replicas, :]
-        for part, (size, replicas), n in zip(parts, layout, distinct)
-    ]
-    return torch.cat(pieces, dim=-1).contiguous()
-
-
-class InstallFragments:
-    """Model-runner mixin: give the rank's interleaver `CheckpointOrderFragments`.
-
-    nnsight's runner builds its interleaver in ``load_model`` with ``VLLMFragments`` and
-    offers no argument for it. The rules that records while the tree is built (which
-    locations are one rank's piece) are its whole state, so they move into a
-    `CheckpointOrderFragments`, which reads and writes them in checkpoint order.
-    """
-
-    nnsight_model: Any  # set by nnsight's runner, the class this mixin goes before
-
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        # nnsight's runner, after this mixin in the MRO, defines load_model.
-        super().load_model(*args, **kwargs)  # type: ignore[misc]
-        interleaver = self.nnsight_model.interleaver
-        ordered = CheckpointOrderFragments()
-        ordered.__dict__.update(vars(interleaver.fragments))
-        interleaver.fragments = ordered
 
 
 @dataclass(frozen=True)

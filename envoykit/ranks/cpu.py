@@ -20,7 +20,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from envoykit import _compat as compat
-from envoykit.model.envoys import InstallFragments
+from envoykit.model.checkpoint_order import InstallFragments
 from envoykit.ranks.sae import SAEStore
 from envoykit.ranks.translators import TranslatorStore
 

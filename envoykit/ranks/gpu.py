@@ -7,7 +7,7 @@ from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRu
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
-from envoykit.model.envoys import InstallFragments
+from envoykit.model.checkpoint_order import InstallFragments
 from envoykit.ranks.sae import SAEStore
 from envoykit.ranks.translators import TranslatorStore
 

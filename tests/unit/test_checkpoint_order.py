@@ -18,7 +18,11 @@ import pytest
 import torch
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
-from envoykit.model.envoys import CheckpointOrderFragments, _rank_piece, _to_checkpoint_order
+from envoykit.model.checkpoint_order import (
+    CheckpointOrderFragments,
+    rank_piece,
+    to_checkpoint_order,
+)
 
 TOKENS = 3
 
@@ -86,14 +90,14 @@ class TestQKV:
         whole = checkpoint_tensor((n_heads + 2 * n_kv) * head_dim)
         gathered = torch.cat([qkv_piece(whole, *shape, rank) for rank in range(tp)], dim=-1)
         for rank in range(tp):  # every rank reorders alike
-            assert torch.equal(_to_checkpoint_order(qkv_layer(*shape, rank), gathered), whole)
+            assert torch.equal(to_checkpoint_order(qkv_layer(*shape, rank), gathered), whole)
 
     def test_each_rank_cuts_its_own_piece(self, shape):
         n_heads, n_kv, head_dim, tp = shape
         whole = checkpoint_tensor((n_heads + 2 * n_kv) * head_dim)
         for rank in range(tp):
             assert torch.equal(
-                _rank_piece(qkv_layer(*shape, rank), whole), qkv_piece(whole, *shape, rank)
+                rank_piece(qkv_layer(*shape, rank), whole), qkv_piece(whole, *shape, rank)
             )
 
 
@@ -104,17 +108,17 @@ def test_merged_column_round_trip(sizes, tp):
     whole = checkpoint_tensor(sum(sizes))
     pieces = [merged_piece(whole, sizes, tp, rank) for rank in range(tp)]
     gathered = torch.cat(pieces, dim=-1)
-    assert torch.equal(_to_checkpoint_order(merged_layer(sizes, tp, 0), gathered), whole)
+    assert torch.equal(to_checkpoint_order(merged_layer(sizes, tp, 0), gathered), whole)
     for rank in range(tp):
-        assert torch.equal(_rank_piece(merged_layer(sizes, tp, rank), whole), pieces[rank])
+        assert torch.equal(rank_piece(merged_layer(sizes, tp, rank), whole), pieces[rank])
 
 
 def test_values_of_another_width_pass_unchanged():
     """Only a value as wide as the whole layer is reordered; a rank's own piece is not."""
     layer = qkv_layer(4, 2, 8, 2, 1)
     piece = checkpoint_tensor(sum(layer.output_partition_sizes))
-    assert _to_checkpoint_order(layer, piece) is piece
-    assert _rank_piece(layer, piece) is piece
+    assert to_checkpoint_order(layer, piece) is piece
+    assert rank_piece(layer, piece) is piece
 
 
 def gpu_runner() -> object:

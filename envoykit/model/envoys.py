@@ -27,8 +27,7 @@ Where each piece lives follows from how nnsight ships trace code: envoys travel 
 *by value* (their modules and the interleaver by reference), so the envoy classes that run are
 the client's — `EnvoykitVLLM` builds the client tree with this map — while the fragment rules
 belong to each rank's interleaver — `envoykit.model.checkpoint_order.InstallFragments` puts
-them there. Nothing here is
-CPU-specific: the CPU and GPU workers install the same rules.
+them there. Nothing here is CPU-specific: the CPU and GPU workers install the same rules.
 """
 
 from __future__ import annotations

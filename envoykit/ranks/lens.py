@@ -97,8 +97,8 @@ def _reduce_positions(
         seen = None if cancel is None else flag_seen(cancel)
         logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
         summaries, cancelled = vocab_parallel.flagged_summaries(shard, logits, top_k, targets, seen)
-        if cancelled:
-            raise LensCancelled(cancel_message(str(cancel)))
+        if cancelled and cancel is not None:  # (only a lens with a key sends a flag)
+            raise LensCancelled(cancel_message(cancel))
         largest_logit, log_sum, top_logp, top_ids, target_logp = summaries
         if final is None:
             final_logp = vocab_parallel.normalized(logits[-1], largest_logit[-1], log_sum[-1])

@@ -44,16 +44,22 @@ class ToyAddNorm(torch.nn.Module):
 
 
 class CountingHead(torch.nn.Linear):
-    """The unembedding, counting its calls (each is one chunk of layers)."""
+    """The unembedding, counting its calls (each is one chunk of layers). Ranks are
+    threads here, and ``calls += 1`` is a read then a write that two threads can interleave
+    (one CI run counted 1 call of 2), so each call appends to a list: one atomic step."""
 
     def __init__(self) -> None:
         super().__init__(D_MODEL, VOCAB, bias=False)
         with torch.no_grad():
             self.weight.copy_(torch.randn(VOCAB, D_MODEL, generator=seeded(2)) * 2)
-        self.calls = 0
+        self.shapes: list[torch.Size] = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.shapes)
 
     def forward(self, x):
-        self.calls += 1
+        self.shapes.append(x.shape)
         return super().forward(x)
 
 

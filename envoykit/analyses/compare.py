@@ -260,7 +260,7 @@ def divergence_statistics(
         chunk = slice(start, start + per_call)
         both = torch.cat([rows_a[chunk], rows_b[chunk]]).flatten(0, 1)
         logits = shard.logits(both).double().unflatten(0, (2, -1, n_pos))
-        largest, log_sum, top_logp, top_ids, target_logp = vocab_parallel.summaries(
+        largest, log_sum, top_logp, top_ids, target_logp, _ = vocab_parallel.summaries(
             shard, logits, 1, targets
         )
         logp = vocab_parallel.normalized(logits, largest, log_sum)

@@ -99,21 +99,19 @@ def _reduce_positions(
         summaries, cancelled = vocab_parallel.flagged_summaries(shard, logits, top_k, targets, seen)
         if cancelled and cancel is not None:  # (only a lens with a key sends a flag)
             raise LensCancelled(cancel_message(cancel))
-        largest_logit, log_sum, top_logp, top_ids, target_logp = summaries
+        normalizer = (summaries.largest, summaries.log_sum)
         if final is None:
-            final_logp = vocab_parallel.normalized(logits[-1], largest_logit[-1], log_sum[-1])
+            final_logp = vocab_parallel.normalized(logits[-1], *(part[-1] for part in normalizer))
             final = (final_logp, final_logp.exp())
-        entropy, kl, ranks = vocab_parallel.sums(
-            shard, logits, (largest_logit, log_sum), final, target_logp
-        )
+        kl, ranks = vocab_parallel.sums(shard, logits, normalizer, final, summaries.target_logp)
         # 32-bit throughout: what crosses to the client is 4 bytes per number.
         pieces.append(
             {
-                "top_ids": top_ids.int(),
-                "top_probs": top_logp.exp().float(),
-                "entropy": entropy.float(),
+                "top_ids": summaries.top_ids.int(),
+                "top_probs": summaries.top_logp.exp().float(),
+                "entropy": summaries.entropy.float(),
                 "kl": kl.float(),
-                "target_probs": target_logp.exp().float(),
+                "target_probs": summaries.target_logp.exp().float(),
                 "target_ranks": ranks.int(),
             }
         )

@@ -5,16 +5,16 @@ its own slice of tokens. Gathering the whole ``[cells, vocab]`` logits onto ever
 the model's logits processor does for sampling) and reducing them there makes every rank
 repeat the whole reduction, N times the work, after moving N-1 slices of full-vocabulary
 logits between them; on ranks that share cores that was most of a lens's time. Here each
-rank summarises its own slice per cell (its log-normaliser, its top-k, the targets it holds),
-the ranks exchange those summaries (a few numbers per cell), and each rank then sums its
-slice's share of entropy, KL and the targets' ranks, exchanged the same way. Every rank ends
-with the same statistics of the whole vocabulary, each computed with the elementwise formula
-a single rank would use, summed over its slice and then over the ranks.
+rank summarises its own slice per cell (its log-normaliser and its share of the entropy, its
+top-k, the targets it holds), the ranks exchange those summaries (a few numbers per cell),
+and each rank then sums its slice's share of KL and the targets' ranks, exchanged the same
+way. Every rank ends with the same statistics of the whole vocabulary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -42,7 +42,15 @@ def row_blocks(n_rows: int, size: int, element_size: int) -> list[slice]:
     return [slice(start, start + per_block) for start in range(0, n_rows, per_block)]
 
 
-Summaries = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+class Summaries(NamedTuple):
+    """Per cell ``[...]`` of the whole vocabulary, from one exchange (`flagged_summaries`)."""
+
+    largest: torch.Tensor  # the largest logit
+    log_sum: torch.Tensor  # log-sum-exp relative to it: logp = (logit - largest) - log_sum
+    top_logp: torch.Tensor  # [..., k] the top-k's log-probs
+    top_ids: torch.Tensor  # [..., k] and their token ids
+    target_logp: torch.Tensor  # [..., targets] the targets' log-probs
+    entropy: torch.Tensor  # in nats
 
 
 def summaries(
@@ -59,18 +67,23 @@ def flagged_summaries(
     targets: Sequence[int],
     flag: bool | None,
 ) -> tuple[Summaries, bool]:
-    """From this slice's ``logits`` ``[..., size]`` and one exchange: the whole vocabulary's
-    largest logit and log-sum-exp relative to it ``[...]`` (so ``logp = logits - largest -
-    log_sum``), its top-k log-probs and token ids ``[..., k]``, the targets' log-probs
-    ``[..., targets]``.
+    """`Summaries` of the whole vocabulary from this slice's ``logits`` ``[..., size]`` and
+    one exchange.
 
-    Each rank sends its slice's largest logit and its sum of ``exp(logit - largest)``, its own
-    top-k (values and ids, so the whole top-k is among the ranks' candidates) and the logits
-    of the targets it holds (zero for the others: each token is held by exactly one rank).
+    Each rank sends its slice's largest logit ``m``, with ``d = logit - m`` (all ``<= 0``)
+    the sums of ``exp(d)`` and of ``exp(d) * d``, its own top-k (values and ids, so the whole
+    top-k is among the ranks' candidates) and the logits of the targets it holds (zero for
+    the others: each token is held by exactly one rank).
+
     Normalising as ``(logit - largest) - log_sum``, like ``log_softmax``, keeps a
     near-certain token's probability within float32 rounding of 1; a difference of the logit
     and a log-sum-exp near it is off by the rounding of numbers that large (1.00001 summed
     over the top-k, seen on a tuned lens's first layer).
+
+    The entropy comes from the exponentials the log-sum-exp needs anyway, instead of a
+    second pass of exponentials over the log-probs: ``H = log S - sum(exp(d) * d) / S`` with
+    ``S = sum(exp(d))``, shifted to the whole vocabulary's largest logit. Both terms are
+    sums of terms of one sign, so nothing cancels, even for a near-certain cell.
 
     Also returns whether any rank's ``flag`` was up, sent in the same exchange (one more
     number per row): a lens's cancel flag (`envoykit.ranks.cancel`) costs no collective of
@@ -79,43 +92,60 @@ def flagged_summaries(
     """
     rows = logits.reshape(-1, logits.shape[-1])
     k = min(top_k, shard.size)
-    # Per row: largest, sum of exponentials, k candidates' values then ids, the targets held,
-    # the flag. A slice smaller than k sends -inf candidates (id 0), so every rank sends k.
-    local = rows.new_zeros(rows.shape[0], 2 + 2 * top_k + len(targets) + 1)
-    local[:, 2 + k : 2 + top_k] = -torch.inf
+    # Per row: largest, the two sums, k candidates' values then ids, the targets held, the
+    # flag. A slice smaller than k sends -inf candidates (id 0), so every rank sends k.
+    candidates_at = 3
+    ids_at = candidates_at + top_k
+    targets_at = ids_at + top_k
+    local = rows.new_zeros(rows.shape[0], targets_at + len(targets) + 1)
+    local[:, candidates_at + k : ids_at] = -torch.inf
     local[:, -1] = float(bool(flag))
-    for block in row_blocks(rows.shape[0], rows.shape[1], rows.element_size()):
+    blocks = row_blocks(rows.shape[0], rows.shape[1], rows.element_size())
+    shifted, weights = (rows.new_empty(rows[blocks[0]].shape) for _ in range(2))
+    for block in blocks:
         part = rows[block]
-        values, ids = part.topk(k, dim=-1)
+        n = part.shape[0]
+        # One pass for the top-1 (the corpus lens's case) where topk makes two.
+        values, ids = part.max(-1, keepdim=True) if k == 1 else part.topk(k, dim=-1)
         largest = values[:, :1]
         local[block, 0:1] = largest
-        local[block, 1] = torch.sub(part, largest).exp_().sum(-1)
-        local[block, 2 : 2 + k] = values
-        local[block, 2 + top_k : 2 + top_k + k] = ids + shard.start  # exact: ids < 2**24
+        torch.sub(part, largest, out=shifted[:n])
+        torch.exp(shifted[:n], out=weights[:n])
+        local[block, 1] = weights[:n].sum(-1)
+        local[block, 2] = weights[:n].mul_(shifted[:n]).sum(-1)
+        local[block, candidates_at : candidates_at + k] = values
+        local[block, ids_at : ids_at + k] = ids + shard.start  # exact: ids < 2**24
     for i, token in enumerate(targets):
         if shard.start <= token < shard.start + shard.size:
-            local[:, 2 + 2 * top_k + i] = rows[:, token - shard.start]
+            local[:, targets_at + i] = rows[:, token - shard.start]
     every = shard.gather(local.view(*logits.shape[:-1], local.shape[-1]))
     whole_largest = every[..., 0].amax(dim=0)
-    log_sum = (every[..., 1] * (every[..., 0] - whole_largest).exp()).sum(0).log()
-    candidates = every[..., 2 : 2 + top_k].movedim(0, -2).flatten(-2)
-    candidate_ids = every[..., 2 + top_k : 2 + 2 * top_k].movedim(0, -2).flatten(-2)
+    # Each rank's sums rescaled from its largest logit to the whole vocabulary's.
+    offset = every[..., 0] - whole_largest
+    scale = offset.exp()
+    total = (every[..., 1] * scale).sum(0)
+    log_sum = total.log()
+    entropy = log_sum - ((every[..., 2] + offset * every[..., 1]) * scale).sum(0) / total
+    candidates = every[..., candidates_at:ids_at].movedim(0, -2).flatten(-2)
+    candidate_ids = every[..., ids_at:targets_at].movedim(0, -2).flatten(-2)
     top_values, picked = candidates.topk(top_k, dim=-1)
     top_ids = candidate_ids.gather(-1, picked).long()
-    target_logits = every[..., 2 + 2 * top_k : -1].sum(0)
+    target_logits = every[..., targets_at:-1].sum(0)
     flagged = flag is not None and bool(every[..., -1].amax() > 0)
 
     def logp(x: torch.Tensor) -> torch.Tensor:
         return (x - whole_largest.unsqueeze(-1)) - log_sum.unsqueeze(-1)
 
-    found = (whole_largest, log_sum, logp(top_values), top_ids, logp(target_logits))
+    found = Summaries(
+        whole_largest, log_sum, logp(top_values), top_ids, logp(target_logits), entropy
+    )
     return found, flagged
 
 
 def normalized(logits: torch.Tensor, largest: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
     """This slice's log-probs from its ``logits`` and `summaries`' ``largest`` and ``log_sum``,
     in a new tensor: ``(logit - largest) - log_sum``, as `sums` computes them in place."""
-    return (logits - largest.unsqueeze(-1)) - log_sum.unsqueeze(-1)
+    return torch.sub(logits, largest.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
 
 
 def sums(
@@ -124,38 +154,38 @@ def sums(
     normalizer: tuple[torch.Tensor, torch.Tensor],
     final: tuple[torch.Tensor, torch.Tensor],
     target_logp: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Entropy ``[...]``, KL(final || layer) ``[...]`` and the targets' ranks
-    ``[..., targets]`` (the tokens strictly more likely, 0 = the most likely) over the whole
-    vocabulary, from this slice's ``logits`` ``[..., positions, size]``, which become its
-    log-probs in place (`normalized`, with `summaries`' ``(largest, log_sum)`` as
-    ``normalizer``), the final layer's log-probs and probabilities ``final``
-    ``[positions, size]`` (computed once by the caller, for every chunk of layers) and one
-    exchange.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(final || layer) ``[...]`` and the targets' ranks ``[..., targets]`` (the tokens
+    strictly more likely, 0 = the most likely) over the whole vocabulary, from this slice's
+    ``logits`` ``[..., positions, size]``, which become its log-probs in place
+    (`normalized`, with `summaries`' ``(largest, log_sum)`` as ``normalizer``), the final
+    layer's log-probs and probabilities ``final`` ``[positions, size]`` (computed once by the
+    caller, for every chunk of layers) and one exchange.
 
-    Entropy and KL in their elementwise form, summed by torch's cascade sum (a BLAS dot
-    product over 49k terms lost 6e-4 nats; a difference of two dot products would also
-    cancel when a layer is close to the final one), block by block of rows (`row_blocks`),
-    so the passes over a block read the cache.
+    KL in its elementwise form, summed by torch's cascade sum (a BLAS dot product over 49k
+    terms lost 6e-4 nats; a difference of two dot products would also cancel when a layer is
+    close to the final one), block by block of rows (`row_blocks`), so the passes over a
+    block read the cache.
     """
     final_logp, final_probs = final
     n_pos, size = logits.shape[-2:]
     grid = logits.view(-1, n_pos, size)
     largest, log_sum = (part.view(grid.shape[:2]) for part in normalizer)
-    found = logits.new_empty(grid.shape[0], n_pos, 2 + target_logp.shape[-1])
+    found = logits.new_empty(grid.shape[0], n_pos, 1 + target_logp.shape[-1])
     thresholds = target_logp.reshape(grid.shape[0], n_pos, target_logp.shape[-1])
+    blocks = row_blocks(n_pos, size, logits.element_size())
+    scratch = logits.new_empty(grid[0, blocks[0]].shape)
     for layer in range(grid.shape[0]):
-        for block in row_blocks(n_pos, size, logits.element_size()):
+        for block in blocks:
             logp = grid[layer, block]
+            difference = scratch[: logp.shape[0]]
             logp.sub_(largest[layer, block, None]).sub_(log_sum[layer, block, None])
-            scratch = logp.exp().mul_(logp)
-            found[layer, block, 0] = -scratch.sum(-1)
-            torch.sub(final_logp[block], logp, out=scratch)
-            found[layer, block, 1] = scratch.mul_(final_probs[block]).sum(-1)
+            torch.sub(final_logp[block], logp, out=difference)
+            found[layer, block, 0] = difference.mul_(final_probs[block]).sum(-1)
             for i in range(thresholds.shape[-1]):
                 # Counted in int32 (the default, int64, took 1.6x as long); exact as floats:
                 # counts < 2**24.
                 above = logp > thresholds[layer, block, i, None]
-                found[layer, block, 2 + i] = above.sum(-1, dtype=torch.int32)
+                found[layer, block, 1 + i] = above.sum(-1, dtype=torch.int32)
     total = shard.gather(found.view(*logits.shape[:-1], found.shape[-1])).sum(0)
-    return total[..., 0], total[..., 1].clamp_min(0.0), total[..., 2:]
+    return total[..., 0].clamp_min(0.0), total[..., 1:]

@@ -37,7 +37,7 @@ from envoykit.analyses.request import (
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
 from envoykit.model.heads import HeadLayout
-from envoykit.model.readout import Readout, at, norm_parameters, normalize, walk
+from envoykit.model.readout import Readout, at, norm_parameters, normalize, stream_of, walk
 from envoykit.ranks.heads import head_writes
 from envoykit.results.attribution import AttributionResult
 
@@ -112,7 +112,7 @@ def attribution_statistics(
     rows = head.rows(ids).float()
     head_bias = head.bias_of(ids).float()
     affine = norm_parameters(norm, normed.shape[-1], normed)
-    stream = value.float() if residual is None else value.float() + residual.float()
+    stream = stream_of(value, residual, torch.float32)
     picked = slice(None) if positions is None else positions.to(value.device)
     centered = affine["centered"]
 

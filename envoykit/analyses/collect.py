@@ -28,7 +28,7 @@ from envoykit.analyses.corpus import Piece, batches, pieces
 from envoykit.analyses.request import Documents, LayerSpec, PositionSpec, Row
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import first_rank, rank_share
-from envoykit.model.readout import Readout, at, walk
+from envoykit.model.readout import Readout, at, stream_of, walk
 from envoykit.results.activations import PLACES, StoreWriter, row_key, text_chain
 from envoykit.results.lens import SITES
 from envoykit.results.shard_file import ShardFile, write_rows
@@ -115,8 +115,7 @@ def stored_rows(
     block's write taken as it is; only the rows this rank stores are summed."""
     rows = []
     for i in indices:
-        value, residual = streams[i]
-        whole = value if residual is None else value + residual
+        whole = stream_of(*streams[i])
         rows.append(whole[where.to(whole.device)].to(dtype).cpu())
     return rows
 

@@ -32,7 +32,7 @@ from envoykit.analyses.request import Documents, check_count
 from envoykit.analyses.sae import SAE
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
-from envoykit.model.readout import Readout, at, walk
+from envoykit.model.readout import Readout, at, stream_of, walk
 from envoykit.ranks import feature_stats as on_ranks
 from envoykit.results.feature_stats import ARRAYS, FeatureStats, StatsWriter
 
@@ -228,7 +228,7 @@ def _trace(
                 with tracer.invoke(list(piece.ids)):
                     layer_list = at(compat.rank_root(interleaver), readout.layers)
                     value, residual = walk(readout, layer_list, reads, {})[0]
-                    x = value if residual is None else value + residual
+                    x = stream_of(value, residual)
                     on_ranks.fold(run_id, key, x, ids, doc, start, threshold, window, gather_ranks)
         with model.trace(temperature=0.0, max_tokens=1) as tracer:  # noqa: SIM117
             with tracer.invoke([batch[0].ids[0]]):

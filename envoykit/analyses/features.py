@@ -23,7 +23,7 @@ from envoykit.analyses.request import Integers, check_count, normalise_prompts, 
 from envoykit.analyses.sae import SAE, as_saes
 from envoykit.errors import InvalidRequest
 from envoykit.model.envoys import gather_ranks
-from envoykit.model.readout import Readout, at, walk
+from envoykit.model.readout import Readout, at, stream_of, walk
 from envoykit.ranks import sae as on_ranks
 from envoykit.results.features import (
     FeatureAttributionResult,
@@ -132,8 +132,7 @@ def read_features(
 ) -> dict[str, torch.Tensor]:
     """On a rank, inside a trace: the statistics of SAE ``key`` on one stream row, on the
     host, the same on every rank."""
-    value, residual = row
-    x = value.float() if residual is None else value.float() + residual.float()
+    x = stream_of(*row, torch.float32)
     encoded = on_ranks.encode(key, x, gather_ranks)
     ids, acts, l0 = on_ranks.top_features(key, encoded, top_k, gather_ranks)
     recon = on_ranks.decode(key, encoded, gather_ranks)
@@ -250,8 +249,7 @@ def attribute(
         head = at(model, readout.unembedding)
         rows = walk(readout, at(model, readout.layers), reads, {})
         site, final = (rows[-1], rows[-1]) if last_is_site else (rows[0], rows[-1])
-        value, residual = site
-        x = value.float() if residual is None else value.float() + residual.float()
+        x = stream_of(*site, torch.float32)
         stats = attribution_statistics(norm, head, [x], final, positions, target_ids, logit_scale)
         picked = x if positions is None else x[positions.to(x.device)]
         found = on_ranks.attribution(key, picked, stats["directions"], top_k, gather_ranks)

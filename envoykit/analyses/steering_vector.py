@@ -18,7 +18,7 @@ from envoykit._compat import Model
 from envoykit.analyses.request import normalise_prompts, token_ids
 from envoykit.analyses.steering import check_site
 from envoykit.errors import InvalidRequest
-from envoykit.model.readout import Readout, at, walk
+from envoykit.model.readout import Readout, at, stream_of, walk
 
 if TYPE_CHECKING:
     from envoykit.analyses.base import EngineBase
@@ -141,7 +141,7 @@ def _streams_at(
         for prompt in prompts:
             with tracer.invoke(prompt):
                 ((value, residual),) = walk(readout, layer_list, {layer: {site}}, {})
-                stream = value.float() if residual is None else value.float() + residual
+                stream = stream_of(value, residual, torch.float32)
                 row = stream.mean(0) if position is None else stream[position]
                 saved = nnsight.save(row.cpu())
     return saved if len(prompts) > 1 else [saved]

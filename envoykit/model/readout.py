@@ -277,6 +277,19 @@ def normalize(norm: Any, value: torch.Tensor, residual: torch.Tensor | None) -> 
     return out[0] if isinstance(out, tuple) else out
 
 
+def stream_of(
+    value: torch.Tensor, residual: torch.Tensor | None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The residual stream a row of `walk` stands for: vLLM's decoder layers hand on the
+    pair ``(hidden, residual)``, whose sum is the stream (the next layer's fused add-norm
+    adds them), or the stream itself where ``residual`` is None. ``dtype``: both are cast
+    before the sum, so a bfloat16 pair sums in float32 instead of rounding to bfloat16."""
+    if dtype is not None:
+        value = value.to(dtype)
+        residual = None if residual is None else residual.to(dtype)
+    return value if residual is None else value + residual
+
+
 def walk(
     readout: Readout,
     layer_list: Any,

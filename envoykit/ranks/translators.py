@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load as load_tensors
 
+from envoykit.model.readout import stream_of
+
 # key -> {lens layer: (A [d, d], b [d])}, in each rank process.
 INSTALLED: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -47,8 +49,7 @@ def translated(
     out = []
     for (layer, site), (hidden, residual) in zip(rows, streams):
         if site == "resid" and layer < n_layers:
-            stream = hidden if residual is None else hidden + residual
-            out.append((translate(key, layer, stream), None))
+            out.append((translate(key, layer, stream_of(hidden, residual)), None))
         else:
             out.append((hidden, residual))
     return out

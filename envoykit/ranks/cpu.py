@@ -22,6 +22,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from envoykit import _compat as compat
 from envoykit.model.checkpoint_order import InstallFragments
 from envoykit.ranks.sae import SAEStore
+from envoykit.ranks.teardown import no_collections
 from envoykit.ranks.translators import TranslatorStore
 
 WORKER_CLS = "envoykit.ranks.cpu.NNsightCPUWorker"
@@ -50,6 +51,11 @@ class NNsightCPUWorker(TranslatorStore, SAEStore, CPUWorker):
                 "instrument; unset VLLM_USE_V2_MODEL_RUNNER"
             )
         self.model_runner = NNsightCPUModelRunner(self.vllm_config, torch.device("cpu"))
+
+    def shutdown(self) -> None:
+        # The rank exits next: collecting its heap whole frees nothing that matters.
+        with no_collections():
+            super().shutdown()
 
     collect_nnsight = NNsightGPUWorker.collect_nnsight
     nnsight_request_count = NNsightGPUWorker.nnsight_request_count

@@ -21,7 +21,8 @@ A forked core starts with the fork server's state, so it takes over what the own
 have handed a spawned core (`_EngineCore.run`): the owner's environment as the engine was
 started, vLLM's logging config for this engine (vLLM reads it when it is imported), the
 signal at its parent's death against the fork server, and a collection before it exits
-(a forked process leaves with ``os._exit``; see `envoykit.runtime.lifeline`).
+(a forked process leaves with ``os._exit``; see `envoykit.runtime.lifeline`), the only one
+of its teardown (`_cleanup_without_collection`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from multiprocessing import forkserver
 from typing import Any
 
 from envoykit import _compat as compat
+from envoykit.ranks.teardown import no_collections
 from envoykit.runtime import lifeline, logs
 from envoykit.runtime.janitor import Janitor
 
@@ -146,10 +148,26 @@ class _EngineCore(multiprocessing.context.ForkServerProcess):
         # process's parent) alive after the owner's death, and so this process too.
         compat.close_forkserver_alive_fd()
         lifeline.die_with_parent(parent=self._server)
+        _cleanup_without_collection()
         try:
             super().run()
         finally:
             gc.collect()
+
+
+def _cleanup_without_collection() -> None:
+    """In this engine core, vLLM's teardown (``EngineCore.shutdown``) without its collection
+    of the whole heap (`no_collections`): `_EngineCore.run` collects once after it, when the
+    engine's objects are garbage too, where vLLM's runs while they are still held."""
+    import vllm.v1.engine.core as engine_core
+
+    cleanup = engine_core.cleanup_dist_env_and_memory
+
+    def cleanup_uncollected(*args: Any, **kwargs: Any) -> None:
+        with no_collections():
+            cleanup(*args, **kwargs)
+
+    engine_core.cleanup_dist_env_and_memory = cleanup_uncollected
 
 
 class _ForkServerContext(multiprocessing.context.ForkServerContext):

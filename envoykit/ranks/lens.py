@@ -101,7 +101,9 @@ def _reduce_positions(
             raise LensCancelled(cancel_message(cancel))
         normalizer = (summaries.largest, summaries.log_sum)
         if final is None:
-            final_logp = vocab_parallel.normalized(logits[-1], *(part[-1] for part in normalizer))
+            final_logp = vocab_parallel.normalized(
+                logits[-1], summaries.largest[-1], summaries.log_sum[-1]
+            )
             final = (final_logp, final_logp.exp())
         kl, ranks = vocab_parallel.sums(shard, logits, normalizer, final, summaries.target_logp)
         # 32-bit throughout: what crosses to the client is 4 bytes per number.

@@ -104,15 +104,15 @@ def flagged_summaries(
     shifted, weights = (rows.new_empty(rows[blocks[0]].shape) for _ in range(2))
     for block in blocks:
         part = rows[block]
-        n = part.shape[0]
+        d, e = shifted[: part.shape[0]], weights[: part.shape[0]]
         # One pass for the top-1 (the corpus lens's case) where topk makes two.
         values, ids = part.max(-1, keepdim=True) if k == 1 else part.topk(k, dim=-1)
         largest = values[:, :1]
         local[block, 0:1] = largest
-        torch.sub(part, largest, out=shifted[:n])
-        torch.exp(shifted[:n], out=weights[:n])
-        local[block, 1] = weights[:n].sum(-1)
-        local[block, 2] = weights[:n].mul_(shifted[:n]).sum(-1)
+        torch.sub(part, largest, out=d)
+        torch.exp(d, out=e)
+        local[block, 1] = e.sum(-1)
+        local[block, 2] = e.mul_(d).sum(-1)
         local[block, candidates_at : candidates_at + k] = values
         local[block, ids_at : ids_at + k] = ids + shard.start  # exact: ids < 2**24
     for i, token in enumerate(targets):

@@ -42,6 +42,11 @@ def row_blocks(n_rows: int, size: int, element_size: int) -> list[slice]:
     return [slice(start, start + per_block) for start in range(0, n_rows, per_block)]
 
 
+# A rank's message per row (`_message`): its largest logit, the two sums, its k candidates'
+# values then ids, the targets it holds, the flag.
+_CANDIDATES_AT = 3
+
+
 class Summaries(NamedTuple):
     """Per cell ``[...]`` of the whole vocabulary, from one exchange (`flagged_summaries`)."""
 
@@ -91,14 +96,48 @@ def flagged_summaries(
     (every rank passes None alike), so none is read back (a device sync).
     """
     rows = logits.reshape(-1, logits.shape[-1])
+    local = _message(shard, rows, top_k, targets, flag)
+    ids_at = _CANDIDATES_AT + top_k
+    targets_at = ids_at + top_k
+    every = shard.gather(local.view(*logits.shape[:-1], local.shape[-1]))
+    whole_largest = every[..., 0].amax(dim=0)
+    # Each rank's sums rescaled from its largest logit to the whole vocabulary's.
+    offset = every[..., 0] - whole_largest
+    scale = offset.exp()
+    total = (every[..., 1] * scale).sum(0)
+    log_sum = total.log()
+    entropy = log_sum - ((every[..., 2] + offset * every[..., 1]) * scale).sum(0) / total
+    candidates = every[..., _CANDIDATES_AT:ids_at].movedim(0, -2).flatten(-2)
+    candidate_ids = every[..., ids_at:targets_at].movedim(0, -2).flatten(-2)
+    top_values, picked = candidates.topk(top_k, dim=-1)
+    top_ids = candidate_ids.gather(-1, picked).long()
+    target_logits = every[..., targets_at:-1].sum(0)
+    flagged = flag is not None and bool(every[..., -1].amax() > 0)
+
+    def logp(x: torch.Tensor) -> torch.Tensor:
+        return (x - whole_largest.unsqueeze(-1)) - log_sum.unsqueeze(-1)
+
+    found = Summaries(
+        whole_largest, log_sum, logp(top_values), top_ids, logp(target_logits), entropy
+    )
+    return found, flagged
+
+
+def _message(
+    shard: VocabShard,
+    rows: torch.Tensor,
+    top_k: int,
+    targets: Sequence[int],
+    flag: bool | None,
+) -> torch.Tensor:
+    """This rank's part of `flagged_summaries`' exchange, from its slice's ``rows`` of
+    logits ``[rows, size]``. A slice smaller than k sends -inf candidates (id 0), so every
+    rank sends k."""
     k = min(top_k, shard.size)
-    # Per row: largest, the two sums, k candidates' values then ids, the targets held, the
-    # flag. A slice smaller than k sends -inf candidates (id 0), so every rank sends k.
-    candidates_at = 3
-    ids_at = candidates_at + top_k
+    ids_at = _CANDIDATES_AT + top_k
     targets_at = ids_at + top_k
     local = rows.new_zeros(rows.shape[0], targets_at + len(targets) + 1)
-    local[:, candidates_at + k : ids_at] = -torch.inf
+    local[:, _CANDIDATES_AT + k : ids_at] = -torch.inf
     local[:, -1] = float(bool(flag))
     blocks = row_blocks(rows.shape[0], rows.shape[1], rows.element_size())
     shifted, weights = (rows.new_empty(rows[blocks[0]].shape) for _ in range(2))
@@ -113,33 +152,12 @@ def flagged_summaries(
         torch.exp(d, out=e)
         local[block, 1] = e.sum(-1)
         local[block, 2] = e.mul_(d).sum(-1)
-        local[block, candidates_at : candidates_at + k] = values
+        local[block, _CANDIDATES_AT : _CANDIDATES_AT + k] = values
         local[block, ids_at : ids_at + k] = ids + shard.start  # exact: ids < 2**24
     for i, token in enumerate(targets):
         if shard.start <= token < shard.start + shard.size:
             local[:, targets_at + i] = rows[:, token - shard.start]
-    every = shard.gather(local.view(*logits.shape[:-1], local.shape[-1]))
-    whole_largest = every[..., 0].amax(dim=0)
-    # Each rank's sums rescaled from its largest logit to the whole vocabulary's.
-    offset = every[..., 0] - whole_largest
-    scale = offset.exp()
-    total = (every[..., 1] * scale).sum(0)
-    log_sum = total.log()
-    entropy = log_sum - ((every[..., 2] + offset * every[..., 1]) * scale).sum(0) / total
-    candidates = every[..., candidates_at:ids_at].movedim(0, -2).flatten(-2)
-    candidate_ids = every[..., ids_at:targets_at].movedim(0, -2).flatten(-2)
-    top_values, picked = candidates.topk(top_k, dim=-1)
-    top_ids = candidate_ids.gather(-1, picked).long()
-    target_logits = every[..., targets_at:-1].sum(0)
-    flagged = flag is not None and bool(every[..., -1].amax() > 0)
-
-    def logp(x: torch.Tensor) -> torch.Tensor:
-        return (x - whole_largest.unsqueeze(-1)) - log_sum.unsqueeze(-1)
-
-    found = Summaries(
-        whole_largest, log_sum, logp(top_values), top_ids, logp(target_logits), entropy
-    )
-    return found, flagged
+    return local
 
 
 def normalized(logits: torch.Tensor, largest: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:

@@ -95,6 +95,7 @@ PRIVATE = (
     Private("torch._C", "_dispatch_has_kernel_for_dispatch_key", "meta kernels for MoE"),
     Private("torch.library:Library", "_destroy", "meta kernels for MoE, removed after"),
     Private("torch._library", "triton", "quiet logs: its logger goes to the engine's file"),
+    Private("torch", "_inductor", "the corpus lens's compiled reductions, compiled in-process"),
     # ipykernel: the handler it restores between messages (set while it handles one).
     Private(
         "ipykernel.kernelbase:Kernel",
@@ -270,6 +271,15 @@ class moe_meta_kernels:
 
 # torch's logger for Triton's absence ("Triton not available"), sent to the engine's log.
 TORCH_TRITON_LOGGER = "torch._library.triton"
+
+
+def compile_in_process() -> None:
+    """Make torch's inductor compile in the calling process: with more than one compile
+    thread (its default here) it may start a pool of compiler processes, which would
+    outlive the rank that asked."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
 
 
 def forkserver_pid() -> int | None:

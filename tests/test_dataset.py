@@ -17,6 +17,7 @@ References and tolerances:
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -231,6 +232,21 @@ def test_lens_corpus_against_transformers(tiny1):
     np.testing.assert_allclose(res.kl, (kl / tokens).numpy(), atol=TOL)
     np.testing.assert_allclose(res.agreement, (agree / tokens).numpy(), atol=1e-12)
     np.testing.assert_allclose(res.accuracy, (hits / following).numpy(), atol=1e-12)
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="no C++ compiler for torch's inductor")
+def test_the_ranks_reduce_a_corpus_with_compiled_loops(tiny2):
+    """The rank's eager stance (`envoykit.ranks.cpu`) must not turn the corpus lens's compiled
+    reductions (`envoykit.ranks.fused`) back into torch's passes: the first rank compiled
+    their graphs."""
+    import nnsight
+
+    tiny2.lens_corpus(DOCS[:2], progress=False)
+    with tiny2.trace(DOCS[0]):
+        from torch._dynamo.utils import counters
+
+        compiled = nnsight.save(counters["stats"]["unique_graphs"])
+    assert compiled >= 2  # exp_sums and kl_and_ranks
 
 
 def test_tuned_lens_corpus_equals_the_per_prompt_tuned_lens(tiny2):

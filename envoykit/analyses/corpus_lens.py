@@ -73,7 +73,7 @@ def piece_sums(
                 if translator is not None:
                     streams = translated(streams, rows, translator, readout.n_layers)
                 stats = lens_statistics(
-                    norm, shard, streams, None, top_k, (), budget=budget, cancel=cancel
+                    norm, shard, streams, None, top_k, (), budget=budget, cancel=cancel, fused=True
                 )
                 top = stats["top_ids"].long()
                 final = top[-1, :, :1]

@@ -35,6 +35,7 @@ def lens_statistics(
     dtype: torch.dtype = torch.float32,
     budget: int = DEFAULT_MEMORY_BUDGET,
     cancel: str | None = None,
+    fused: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Reduce the lens of ``streams`` (one ``(hidden, residual)`` per row) on this rank.
 
@@ -47,7 +48,8 @@ def lens_statistics(
     ``entropy``/``kl`` ``[layers, positions]``, ``target_probs``/``target_ranks``
     ``[layers, positions, targets]`` (rank 0 = the most likely token). ``cancel``: the
     lens's cancel key, looked for before each chunk and agreed on in its summaries'
-    exchange (`envoykit.ranks.cancel`).
+    exchange (`envoykit.ranks.cancel`). ``fused``: the reductions compiled into fused loops
+    on the CPU (`envoykit.ranks.fused`), for long work, which pays the first compile once.
     """
     rows = [normalize(norm, value, residual) for value, residual in streams]
     device = rows[0].device
@@ -68,6 +70,7 @@ def lens_statistics(
             budget,
             largest,
             cancel,
+            fused,
         )
         for start in range(0, n_pos, span)
     ]
@@ -83,6 +86,7 @@ def _reduce_positions(
     budget: int,
     largest: int,
     cancel: str | None,
+    fused: bool,
 ) -> dict[str, torch.Tensor]:
     """`lens_statistics` of one block of positions: layers in chunks that fit ``budget``."""
     n_pos = rows[0].shape[0]
@@ -96,7 +100,10 @@ def _reduce_positions(
         # Looked for before the chunk, agreed on with its summaries.
         seen = None if cancel is None else flag_seen(cancel)
         logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
-        summaries, cancelled = vocab_parallel.flagged_summaries(shard, logits, top_k, targets, seen)
+        compiled = vocab_parallel.compiled_on(logits) if fused else None
+        summaries, cancelled = vocab_parallel.flagged_summaries(
+            shard, logits, top_k, targets, seen, compiled
+        )
         if cancelled and cancel is not None:  # (only a lens with a key sends a flag)
             raise LensCancelled(cancel_message(cancel))
         normalizer = (summaries.largest, summaries.log_sum)
@@ -105,7 +112,9 @@ def _reduce_positions(
                 logits[-1], summaries.largest[-1], summaries.log_sum[-1]
             )
             final = (final_logp, final_logp.exp())
-        kl, ranks = vocab_parallel.sums(shard, logits, normalizer, final, summaries.target_logp)
+        kl, ranks = vocab_parallel.sums(
+            shard, logits, normalizer, final, summaries.target_logp, compiled
+        )
         # 32-bit throughout: what crosses to the client is 4 bytes per number.
         pieces.append(
             {

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from envoykit.model.vocab_shard import VocabShard
+from envoykit.ranks import fused
 
 
 def whole(head: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> VocabShard:
@@ -65,12 +66,19 @@ def summaries(
     return flagged_summaries(shard, logits, top_k, targets, None)[0]
 
 
+def compiled_on(logits: torch.Tensor) -> fused.Reductions | None:
+    """The compiled reductions (`envoykit.ranks.fused`) for ``logits``, or None: on the CPU,
+    where compiling works."""
+    return fused.compiled() if logits.device.type == "cpu" else None
+
+
 def flagged_summaries(
     shard: VocabShard,
     logits: torch.Tensor,
     top_k: int,
     targets: Sequence[int],
     flag: bool | None,
+    compiled: fused.Reductions | None = None,
 ) -> tuple[Summaries, bool]:
     """`Summaries` of the whole vocabulary from this slice's ``logits`` ``[..., size]`` and
     one exchange.
@@ -94,9 +102,11 @@ def flagged_summaries(
     number per row): a lens's cancel flag (`envoykit.ranks.cancel`) costs no collective of
     its own, where ranks sharing cores each wait for the one descheduled. ``None``: no flag
     (every rank passes None alike), so none is read back (a device sync).
+
+    ``compiled``: the exponentials and their sums in one compiled loop (`compiled_on`).
     """
     rows = logits.reshape(-1, logits.shape[-1])
-    local = _message(shard, rows, top_k, targets, flag)
+    local = _message(shard, rows, top_k, targets, flag, compiled)
     ids_at = _CANDIDATES_AT + top_k
     targets_at = ids_at + top_k
     every = shard.gather(local.view(*logits.shape[:-1], local.shape[-1]))
@@ -129,6 +139,7 @@ def _message(
     top_k: int,
     targets: Sequence[int],
     flag: bool | None,
+    compiled: fused.Reductions | None,
 ) -> torch.Tensor:
     """This rank's part of `flagged_summaries`' exchange, from its slice's ``rows`` of
     logits ``[rows, size]``. A slice smaller than k sends -inf candidates (id 0), so every
@@ -140,24 +151,43 @@ def _message(
     local[:, _CANDIDATES_AT + k : ids_at] = -torch.inf
     local[:, -1] = float(bool(flag))
     blocks = row_blocks(rows.shape[0], rows.shape[1], rows.element_size())
-    shifted, weights = (rows.new_empty(rows[blocks[0]].shape) for _ in range(2))
+    scratch = [rows.new_empty(rows[blocks[0]].shape) for _ in range(2)]
     for block in blocks:
-        part = rows[block]
-        d, e = shifted[: part.shape[0]], weights[: part.shape[0]]
-        # One pass for the top-1 (the corpus lens's case) where topk makes two.
-        values, ids = part.max(-1, keepdim=True) if k == 1 else part.topk(k, dim=-1)
-        largest = values[:, :1]
-        local[block, 0:1] = largest
-        torch.sub(part, largest, out=d)
-        torch.exp(d, out=e)
-        local[block, 1] = e.sum(-1)
-        local[block, 2] = e.mul_(d).sum(-1)
+        values, ids, exp_sum, weighted = _block_summary(rows[block], k, compiled, scratch)
+        local[block, 0] = values[:, 0]
+        local[block, 1], local[block, 2] = exp_sum, weighted
         local[block, _CANDIDATES_AT : _CANDIDATES_AT + k] = values
         local[block, ids_at : ids_at + k] = ids + shard.start  # exact: ids < 2**24
     for i, token in enumerate(targets):
         if shard.start <= token < shard.start + shard.size:
             local[:, targets_at + i] = rows[:, token - shard.start]
     return local
+
+
+def _block_summary(
+    part: torch.Tensor,
+    k: int,
+    compiled: fused.Reductions | None,
+    scratch: list[torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """A block of rows' top-k values and ids ``[rows, k]``, and with ``d`` each logit less
+    the row's largest, the sums of ``exp(d)`` and of ``exp(d) * d`` ``[rows]``; torch's
+    passes write ``d`` and ``exp(d)`` into ``scratch``."""
+    if compiled is not None and k == 1:
+        # The largest value alone is one fast pass (finding its index too took 4x as
+        # long); its first index comes from the compiled loop of the sums.
+        largest = part.amax(-1, keepdim=True)
+        first, exp_sum, weighted = compiled.exp_sums(part, largest)
+        return largest, first.unsqueeze(-1), exp_sum, weighted
+    # One pass for a top-1 where topk makes two.
+    values, ids = part.max(-1, keepdim=True) if k == 1 else part.topk(k, dim=-1)
+    largest = values[:, :1].contiguous()
+    if compiled is not None:
+        return values, ids, *compiled.exp_sums(part, largest)[1:]
+    d, e = (buffer[: part.shape[0]] for buffer in scratch)
+    torch.sub(part, largest, out=d)
+    torch.exp(d, out=e)
+    return values, ids, e.sum(-1), e.mul_(d).sum(-1)
 
 
 def normalized(logits: torch.Tensor, largest: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
@@ -172,18 +202,19 @@ def sums(
     normalizer: tuple[torch.Tensor, torch.Tensor],
     final: tuple[torch.Tensor, torch.Tensor],
     target_logp: torch.Tensor,
+    compiled: fused.Reductions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(final || layer) ``[...]`` and the targets' ranks ``[..., targets]`` (the tokens
     strictly more likely, 0 = the most likely) over the whole vocabulary, from this slice's
-    ``logits`` ``[..., positions, size]``, which become its log-probs in place
-    (`normalized`, with `summaries`' ``(largest, log_sum)`` as ``normalizer``), the final
+    ``logits`` ``[..., positions, size]``, normalised as `normalized` does with `summaries`'
+    ``(largest, log_sum)`` as ``normalizer`` (in place, unless ``compiled``), the final
     layer's log-probs and probabilities ``final`` ``[positions, size]`` (computed once by the
     caller, for every chunk of layers) and one exchange.
 
     KL in its elementwise form, summed by torch's cascade sum (a BLAS dot product over 49k
     terms lost 6e-4 nats; a difference of two dot products would also cancel when a layer is
     close to the final one), block by block of rows (`row_blocks`), so the passes over a
-    block read the cache.
+    block read the cache; or, ``compiled``, in one compiled loop over every row.
     """
     final_logp, final_probs = final
     n_pos, size = logits.shape[-2:]
@@ -191,8 +222,30 @@ def sums(
     largest, log_sum = (part.view(grid.shape[:2]) for part in normalizer)
     found = logits.new_empty(grid.shape[0], n_pos, 1 + target_logp.shape[-1])
     thresholds = target_logp.reshape(grid.shape[0], n_pos, target_logp.shape[-1])
-    blocks = row_blocks(n_pos, size, logits.element_size())
-    scratch = logits.new_empty(grid[0, blocks[0]].shape)
+    if compiled is not None:
+        found[..., 0], found[..., 1:] = compiled.kl_and_ranks(
+            grid, largest[..., None], log_sum[..., None], final_logp, final_probs, thresholds
+        )
+    else:
+        _eager_sums(grid, largest, log_sum, final, thresholds, found)
+    total = shard.gather(found.view(*logits.shape[:-1], found.shape[-1])).sum(0)
+    return total[..., 0].clamp_min(0.0), total[..., 1:]
+
+
+def _eager_sums(
+    grid: torch.Tensor,
+    largest: torch.Tensor,
+    log_sum: torch.Tensor,
+    final: tuple[torch.Tensor, torch.Tensor],
+    thresholds: torch.Tensor,
+    found: torch.Tensor,
+) -> None:
+    """`sums`' per-rank part without a compiler, written into ``found``, ``grid``
+    ``[layers, positions, size]`` normalised in place."""
+    final_logp, final_probs = final
+    n_pos, size = grid.shape[-2:]
+    blocks = row_blocks(n_pos, size, grid.element_size())
+    scratch = grid.new_empty(grid[0, blocks[0]].shape)
     for layer in range(grid.shape[0]):
         for block in blocks:
             logp = grid[layer, block]
@@ -205,5 +258,3 @@ def sums(
                 # counts < 2**24.
                 above = logp > thresholds[layer, block, i, None]
                 found[layer, block, 1 + i] = above.sum(-1, dtype=torch.int32)
-    total = shard.gather(found.view(*logits.shape[:-1], found.shape[-1])).sum(0)
-    return total[..., 0].clamp_min(0.0), total[..., 1:]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import shutil
 import tempfile
 import threading
 
@@ -22,6 +23,7 @@ import torch
 from torch.distributions import Categorical, kl_divergence
 
 from envoykit.ranks import cancel, lens, vocab_parallel
+from envoykit.ranks import fused as fused_reductions
 
 D_MODEL, VOCAB, N_POS, TOP_K = 16, 37, 6, 5
 TARGETS = [3, 11, 36]
@@ -88,17 +90,27 @@ def statistics(
     head=None,
     shard=None,
     cancel=None,
+    fused=False,
 ):
     """The one call of `lens_statistics` every test goes through, as a rank makes it:
     ``(norm, shard, streams, positions, top_k, targets, dtype, budget=...)``; the shard is
     the whole of ``head`` unless given; ``budget=None`` leaves the default (no chunking at
-    these sizes)."""
+    these sizes); ``fused``: the compiled reductions (`envoykit.ranks.fused`)."""
     head = head if head is not None else CountingHead()
     shard = shard if shard is not None else vocab_parallel.whole(head, VOCAB)
     kwargs = {} if budget is None else {"budget": budget}
     with torch.no_grad():
         return lens.lens_statistics(
-            ToyAddNorm(), shard, streams, positions, top_k, targets, dtype, cancel=cancel, **kwargs
+            ToyAddNorm(),
+            shard,
+            streams,
+            positions,
+            top_k,
+            targets,
+            dtype,
+            cancel=cancel,
+            fused=fused,
+            **kwargs,
         )
 
 
@@ -198,24 +210,39 @@ def assert_matches(got: dict, want: dict, atol: float) -> None:
         torch.testing.assert_close(got[key].double(), want[key], atol=atol, rtol=1e-6, msg=key)
 
 
-class TestAgainstDirectComputation:
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-    def test_every_statistic(self, dtype):
-        streams = toy_streams()
-        assert_matches(statistics(streams, dtype=dtype), reference(streams), 2e-5)
+# Each reduction both ways: torch's passes, and the loops compiled from them.
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["passes", "compiled"])
 
-    def test_picked_positions(self):
+
+class TestAgainstDirectComputation:
+    @FUSED
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+    def test_every_statistic(self, dtype, fused):
+        streams = toy_streams()
+        assert_matches(statistics(streams, dtype=dtype, fused=fused), reference(streams), 2e-5)
+
+    @FUSED
+    def test_picked_positions(self, fused):
         streams, positions = toy_streams(), torch.tensor([1, 4, 5])
-        got = statistics(streams, positions)
+        got = statistics(streams, positions, fused=fused)
         assert got["entropy"].shape == (len(streams), 3)
         assert_matches(got, reference(streams, positions), 2e-5)
 
-    def test_final_layer_has_zero_kl(self):
-        assert torch.all(statistics(toy_streams())["kl"][-1] == 0)
+    @FUSED
+    def test_final_layer_has_zero_kl(self, fused):
+        assert torch.all(statistics(toy_streams(), fused=fused)["kl"][-1] == 0)
 
-    def test_no_targets(self):
-        got = statistics(toy_streams(), targets=[])
+    @FUSED
+    def test_no_targets(self, fused):
+        got = statistics(toy_streams(), targets=[], fused=fused)
         assert got["target_probs"].shape == got["target_ranks"].shape == (5, N_POS, 0)
+        assert_matches(got, reference(toy_streams(), targets=[]), 2e-5)
+
+    @pytest.mark.skipif(not shutil.which("g++"), reason="no C++ compiler for torch's inductor")
+    def test_the_reductions_compile_here(self):
+        """Otherwise every ``compiled`` case above would run torch's passes and prove
+        nothing about the compiled loops."""
+        assert fused_reductions.compiled() is not None
 
     def test_streams_left_unchanged(self):
         """The fused add-norm writes into its input: the model's own tensors must not see it."""
@@ -229,17 +256,22 @@ class TestAgainstDirectComputation:
 class TestSplitVocabulary:
     """Ranks holding slices of the vocabulary agree on the whole vocabulary's statistics."""
 
+    @FUSED
+    @pytest.mark.parametrize("top_k", [1, TOP_K])
     @pytest.mark.parametrize("n_ranks", [2, 3])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-    def test_every_rank_matches_the_reference(self, n_ranks, dtype):
+    def test_every_rank_matches_the_reference(self, n_ranks, dtype, fused, top_k):
         streams, positions = toy_streams(), torch.tensor([0, 3, 5])
-        want = reference(streams, positions)
-        for got in on_ranks(n_ranks, streams=streams, positions=positions, dtype=dtype):
+        want = reference(streams, positions, top_k=top_k)
+        for got in on_ranks(
+            n_ranks, streams=streams, positions=positions, dtype=dtype, fused=fused, top_k=top_k
+        ):
             assert_matches(got, want, 2e-5)
 
-    def test_chunked_on_ranks(self):
+    @FUSED
+    def test_chunked_on_ranks(self, fused):
         streams = toy_streams(6)
-        for got in on_ranks(3, streams=streams, budget=1):
+        for got in on_ranks(3, streams=streams, budget=1, fused=fused):
             assert_matches(got, reference(streams), 2e-5)
 
     def test_uneven_slices_chunk_alike(self):
@@ -256,7 +288,8 @@ class TestSplitVocabulary:
         for got in on_ranks(3, streams=streams, top_k=20):
             assert_matches(got, reference(streams, top_k=20), 2e-5)
 
-    def test_near_certain_tokens_stay_within_float32_rounding_of_one(self):
+    @FUSED
+    def test_near_certain_tokens_stay_within_float32_rounding_of_one(self, fused):
         """Logits in the hundreds (a tuned lens's first layers): a log-sum-exp subtracted
         from a logit that large is off by 1.5e-5; normalised as log_softmax does, by 1e-7.
         The entropy of such near-certain cells (down to 1e-94 nats) holds as well."""
@@ -264,7 +297,7 @@ class TestSplitVocabulary:
         with torch.no_grad():
             head.weight.mul_(20)  # logits in the hundreds
         streams = toy_streams()
-        for got in on_ranks(3, streams=streams, head=head):
+        for got in on_ranks(3, streams=streams, head=head, fused=fused):
             assert got["top_probs"].sum(-1).max() <= 1 + 4e-7
             want = reference(streams, head=head)
             assert torch.equal(got["top_ids"].long(), want["top_ids"])

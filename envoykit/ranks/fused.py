@@ -1,0 +1,130 @@
+"""The lens's per-row reductions as single expressions, compiled on the CPU into fused loops.
+
+`envoykit.ranks.vocab_parallel` reduces each row of a slice's logits with a dozen elementwise
+passes (the largest logit, the exponentials and their two sums; then normalising, KL against
+the final layer, the targets' ranks), each a torch call that reads and writes the row. Written
+as one expression each and compiled by torch's inductor, the exponentials' pass and its two
+sums become one loop, and normalising, KL and the ranks another, with no temporaries: on
+3,584 rows of ``demo``'s 49,152-token vocabulary, on one thread, 0.16 s instead of 0.27 s
+and 0.06 s instead of 0.37 s. The sums accumulate in float64 in the loop (inductor's float32
+sums are sequential per lane: 4e-6 relative over 49k terms, where torch's cascade sum keeps
+2e-7), which costs nothing measurable.
+
+Compiling takes 1-3 s the first time a process asks (inductor's cache on disk makes later
+processes quicker), so only long work asks for it: the corpus lens, whose every chunk reduces
+hundreds of rows. Where compiling is impossible (no C++ compiler) `compiled()` says so once
+and the caller keeps its eager passes, which give the same statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from envoykit import _compat as compat
+
+log = logging.getLogger(__name__)
+F64 = torch.float64
+
+
+def exp_sums(
+    rows: torch.Tensor, largest: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``rows`` ``[n, size]``, with ``largest`` ``[n, 1]`` its largest value: the
+    first index of that value (int32; the last index where there is none, as for a row with
+    a NaN), and with ``d = rows - largest`` the sums of ``exp(d)`` and of ``exp(d) * d``
+    ``[n]`` in float64 (`envoykit.ranks.vocab_parallel.flagged_summaries` says why both)."""
+    d = rows - largest
+    e = d.exp()
+    size = rows.shape[-1]
+    index = torch.arange(size, device=rows.device, dtype=torch.int32)
+    first = torch.where(d == 0, index, size - 1).amin(-1)
+    return first, e.sum(-1, dtype=F64), (e * d).sum(-1, dtype=F64)
+
+
+def kl_and_ranks(
+    logits: torch.Tensor,
+    largest: torch.Tensor,
+    log_sum: torch.Tensor,
+    final_logp: torch.Tensor,
+    final_probs: torch.Tensor,
+    thresholds: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This slice's share of KL(final || layer) ``[layers, positions]`` (float64) and the
+    counts of tokens above each threshold ``[layers, positions, targets]`` (int32), from its
+    ``logits`` ``[layers, positions, size]`` normalised by ``largest`` and ``log_sum``
+    ``[layers, positions, 1]`` as `envoykit.ranks.vocab_parallel.sums` normalises them, the
+    final layer's ``[positions, size]`` log-probs and probabilities, and the targets'
+    log-probs ``thresholds``."""
+    logp = (logits - largest) - log_sum
+    kl = (final_probs * (final_logp - logp)).sum(-1, dtype=F64)
+    above = logp.unsqueeze(-2) > thresholds.unsqueeze(-1)
+    return kl, above.sum(-1, dtype=torch.int32)
+
+
+class Reductions(NamedTuple):
+    """`exp_sums` and `kl_and_ranks`, compiled."""
+
+    exp_sums: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    kl_and_ranks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+_lock = threading.Lock()
+_NOT_YET = object()
+_compiled: Any = _NOT_YET  # Reductions | None once the first call has tried
+
+
+def compiled() -> Reductions | None:
+    """The reductions compiled for this process's CPU, or None where compiling failed.
+
+    The first call compiles both on small rows, with every size symbolic (one compiled loop
+    serves every slice and chunk), and keeps the outcome for the process's threads."""
+    global _compiled
+    with _lock:
+        if _compiled is _NOT_YET:
+            _compiled = _compile()
+        return _compiled
+
+
+def _compile() -> Reductions | None:
+    compat.compile_in_process()
+    found = Reductions(_compiled_anyway(exp_sums), _compiled_anyway(kl_and_ranks))
+    # Sizes of at least 2 and all different, and no tensor passed twice: dynamo specialises
+    # sizes 0 and 1, sizes equal to one another and aliases, compiling again for the first
+    # call that differs.
+    layers, positions, size = 2, 3, 5
+    zeros = torch.zeros
+    try:
+        found.exp_sums(zeros(positions, size), zeros(positions, 1))
+        found.kl_and_ranks(
+            zeros(layers, positions, size),
+            zeros(layers, positions, 1),
+            zeros(layers, positions, 1),
+            zeros(positions, size),
+            zeros(positions, size),
+            zeros(layers, positions, 0),
+        )
+    except Exception as error:  # no C++ compiler, or one inductor cannot use
+        log.warning("the lens's reductions run uncompiled: %s", _first_line(error))
+        return None
+    return found
+
+
+def _compiled_anyway(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` compiled, and run compiled even in a rank, whose stance is eager
+    (`envoykit.ranks.cpu` keeps vLLM's own compiled helpers from compiling there)."""
+    compiled = torch.compile(function, dynamic=True)
+
+    def run(*args: torch.Tensor) -> Any:
+        with torch.compiler.set_stance("default"):
+            return compiled(*args)
+
+    return run
+
+
+def _first_line(error: Any) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

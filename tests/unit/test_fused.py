@@ -1,23 +1,25 @@
 """The compiled reductions (`envoykit.ranks.fused`) against torch's own operations in
 float64, where they differ from a plain expression: the first index of the largest value, and
-sums over a whole vocabulary's row."""
+sums over a whole vocabulary's row; and the fallback where nothing compiles.
+(`tests/unit/test_lens_statistics.py` checks every statistic computed through them.)"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from envoykit.ranks import fused
 
-pytestmark = pytest.mark.skipif(
-    not shutil.which("g++"), reason="no C++ compiler for torch's inductor"
-)
-
 
 @pytest.fixture(scope="module")
 def reductions() -> fused.Reductions:
+    if not shutil.which("g++"):
+        pytest.skip("no C++ compiler for torch's inductor")
     found = fused.compiled()
     assert found is not None, "the reductions did not compile (see the warning logged)"
     return found
@@ -50,3 +52,36 @@ def test_sums_over_a_whole_vocabulary_keep_float64_accuracy(reductions):
     d = rows.double() - largest.double()
     torch.testing.assert_close(exp_sum, d.exp().sum(-1), rtol=2e-7, atol=0)
     torch.testing.assert_close(weighted, (d.exp() * d).sum(-1), rtol=2e-7, atol=0)
+
+
+FALLBACK = """
+import logging, sys
+import torch
+import torch._inductor.config
+from envoykit.ranks import fused, lens, vocab_parallel
+
+logging.basicConfig(level=logging.WARNING)
+torch._inductor.config.cpp.cxx = (None, "no-such-compiler")
+assert fused.compiled() is None
+head = torch.nn.Linear(8, 50, bias=False)
+streams = [(torch.randn(4, 8), None) for _ in range(3)]
+with torch.no_grad():
+    got = lens.lens_statistics(
+        torch.nn.LayerNorm(8), vocab_parallel.whole(head, 50), streams, None, 1, (), fused=True
+    )
+    want = lens.lens_statistics(
+        torch.nn.LayerNorm(8), vocab_parallel.whole(head, 50), streams, None, 1, ()
+    )
+assert all(torch.equal(got[key], want[key]) for key in want)
+"""
+
+
+def test_without_a_compiler_the_reductions_fall_back_with_a_warning(tmp_path):
+    """A fresh process (nothing compiled or cached) whose inductor names a compiler that is
+    not there: one warning, and the statistics of torch's own passes."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("the lens's reductions run uncompiled") == 1, done.stderr[-2000:]

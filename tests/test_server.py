@@ -793,6 +793,24 @@ def test_malformed_body_is_400(server, client):
     assert client.generate_ids(PROMPT, 2)
 
 
+def test_a_client_gone_while_sending_its_body_leaves_no_traceback(server, client):
+    """A kernel killed while its trace is still uploading: the server reads half a body, then
+    the end of the connection. Nothing runs, nothing is printed, the next request is served."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    before = len(server.stderr())
+    head = (
+        f"POST /v1/nnsight/generate HTTP/1.1\r\nHost: {host}\r\n"
+        f"ndif-api-key: {server.token()}\r\nContent-Length: 100000\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + b"\x80" * 1000)
+        time.sleep(0.5)  # the server is reading the body when the connection ends
+    assert client.generate_ids(PROMPT, 2)
+    assert "Traceback" not in server.stderr()[before:]
+
+
 SLOW_CLIENT = """
 import time, envoykit as ek
 client = ek.connect({url!r})

@@ -59,6 +59,7 @@ from typing import Any
 from fastapi import HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 
 from envoykit import _compat as compat
 from envoykit.serve.tokens import TOKEN_HEADER
@@ -118,7 +119,9 @@ async def _cancel_on_disconnect(app: Any, scope: Scope, receive: Receive, send: 
 
     Once the app has read the whole body, a watcher takes over the connection's receive
     channel: the next message it can bring is the disconnect. Should the app ask for another
-    message, it gets the watcher's.
+    message, it gets the watcher's. A client gone while it still sends its body (a killed
+    kernel) makes the app's read raise `ClientDisconnect`: nothing ran, nothing to answer,
+    and no traceback for the server's log.
     """
     body_read = asyncio.Event()
     responded = False
@@ -157,6 +160,8 @@ async def _cancel_on_disconnect(app: Any, scope: Scope, receive: Receive, send: 
                     return
                 await handler
         await handler
+    except ClientDisconnect:
+        logger.info("client went away while sending %s", scope["path"])
     finally:
         watcher.cancel()
         if not handler.done():  # this middleware itself cancelled (server shutdown)

@@ -17,6 +17,7 @@ import torch
 
 from envoykit.model.readout import normalize
 from envoykit.model.vocab_shard import VocabShard
+from envoykit.ranks import fused as fused_reductions
 from envoykit.ranks import vocab_parallel
 from envoykit.ranks.cancel import LensCancelled, cancel_message, flag_seen
 
@@ -60,6 +61,7 @@ def lens_statistics(
     largest = shard.largest
     n_pos = rows[0].shape[0]
     span = positions_per_call(largest, budget)
+    compiled = vocab_parallel.compiled_on(device) if fused else None
     blocks = [
         _reduce_positions(
             shard,
@@ -70,7 +72,7 @@ def lens_statistics(
             budget,
             largest,
             cancel,
-            fused,
+            compiled,
         )
         for start in range(0, n_pos, span)
     ]
@@ -86,7 +88,7 @@ def _reduce_positions(
     budget: int,
     largest: int,
     cancel: str | None,
-    fused: bool,
+    compiled: fused_reductions.Reductions | None,
 ) -> dict[str, torch.Tensor]:
     """`lens_statistics` of one block of positions: layers in chunks that fit ``budget``."""
     n_pos = rows[0].shape[0]
@@ -100,7 +102,6 @@ def _reduce_positions(
         # Looked for before the chunk, agreed on with its summaries.
         seen = None if cancel is None else flag_seen(cancel)
         logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
-        compiled = vocab_parallel.compiled_on(logits) if fused else None
         summaries, cancelled = vocab_parallel.flagged_summaries(
             shard, logits, top_k, targets, seen, compiled
         )

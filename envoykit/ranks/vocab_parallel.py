@@ -66,10 +66,10 @@ def summaries(
     return flagged_summaries(shard, logits, top_k, targets, None)[0]
 
 
-def compiled_on(logits: torch.Tensor) -> fused.Reductions | None:
-    """The compiled reductions (`envoykit.ranks.fused`) for ``logits``, or None: on the CPU,
-    where compiling works."""
-    return fused.compiled() if logits.device.type == "cpu" else None
+def compiled_on(device: torch.device) -> fused.Reductions | None:
+    """The compiled reductions (`envoykit.ranks.fused`) for logits on ``device``, or None: on
+    the CPU, where compiling works."""
+    return fused.compiled() if device.type == "cpu" else None
 
 
 def flagged_summaries(

@@ -260,10 +260,9 @@ def divergence_statistics(
         chunk = slice(start, start + per_call)
         both = torch.cat([rows_a[chunk], rows_b[chunk]]).flatten(0, 1)
         logits = shard.logits(both).double().unflatten(0, (2, -1, n_pos))
-        largest, log_sum, top_logp, top_ids, target_logp, _ = vocab_parallel.summaries(
-            shard, logits, 1, targets
-        )
-        logp = vocab_parallel.normalized(logits, largest, log_sum)
+        found = vocab_parallel.summaries(shard, logits, 1, targets)
+        logp = vocab_parallel.normalized(logits, found.largest, found.log_sum)
+        top_logp, top_ids, target_logp = found.top_logp, found.top_ids, found.target_logp
         mixture = torch.logaddexp(logp[0], logp[1]) - math.log(2.0)
         js = 0.5 * sum((side.exp() * (side - mixture)).sum(-1) for side in logp)
         chunk_stats = {

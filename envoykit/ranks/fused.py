@@ -32,46 +32,44 @@ log = logging.getLogger(__name__)
 F64 = torch.float64
 
 
-def exp_sums(
-    rows: torch.Tensor, largest: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of ``rows`` ``[n, size]``, with ``largest`` ``[n, 1]`` its largest value: the
-    first index of that value (int32; the last index where there is none, as for a row with
-    a NaN), and with ``d = rows - largest`` the sums of ``exp(d)`` and of ``exp(d) * d``
-    ``[n]`` in float64 (`envoykit.ranks.vocab_parallel.flagged_summaries` says why both)."""
+def _row_sums(
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both loops share, per row of ``rows`` ``[..., size]``: its largest value ``m``
+    ``[..., 1]``, ``d = rows - m``, ``exp(d)``, the first index of ``m`` (int32; the last index
+    where there is none, as for a row with a NaN) and the sums of ``exp(d)`` and of
+    ``exp(d) * d`` in float64 (`envoykit.ranks.vocab_parallel.lens_summaries` says why)."""
+    largest = rows.amax(-1, keepdim=True)
     d = rows - largest
     e = d.exp()
     size = rows.shape[-1]
     index = torch.arange(size, device=rows.device, dtype=torch.int32)
     first = torch.where(d == 0, index, size - 1).amin(-1)
-    return first, e.sum(-1, dtype=F64), (e * d).sum(-1, dtype=F64)
+    return largest, d, e, first, e.sum(-1, dtype=F64), (e * d).sum(-1, dtype=F64)
 
 
-def kl_and_ranks(
-    logits: torch.Tensor,
-    largest: torch.Tensor,
-    log_sum: torch.Tensor,
-    final_logp: torch.Tensor,
-    final_probs: torch.Tensor,
-    thresholds: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This slice's share of KL(final || layer) ``[layers, positions]`` (float64) and the
-    counts of tokens above each threshold ``[layers, positions, targets]`` (int32), from its
-    ``logits`` ``[layers, positions, size]`` normalised by ``largest`` and ``log_sum``
-    ``[layers, positions, 1]`` as `envoykit.ranks.vocab_parallel.sums` normalises them, the
-    final layer's ``[positions, size]`` log-probs and probabilities, and the targets'
-    log-probs ``thresholds``."""
-    logp = (logits - largest) - log_sum
-    kl = (final_probs * (final_logp - logp)).sum(-1, dtype=F64)
-    above = logp.unsqueeze(-2) > thresholds.unsqueeze(-1)
-    return kl, above.sum(-1, dtype=torch.int32)
+def final_sums(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The final layer's rows ``[positions, size]``: their largest value ``[positions, 1]``,
+    its first index, the two sums (`_row_sums`) and ``exp(d)`` itself ``[positions, size]``,
+    which every other layer's share of KL reads (`layer_sums`)."""
+    largest, _, e, first, exp_sum, weighted = _row_sums(rows)
+    return largest, first, exp_sum, weighted, e
+
+
+def layer_sums(rows: torch.Tensor, final_exp: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Any layer's rows ``[layers, positions, size]``: their largest value
+    ``[layers, positions, 1]``, its first index, the two sums (`_row_sums`) and, with the
+    final layer's ``exp(d)`` ``final_exp`` ``[positions, size]`` (`final_sums`), the sum of
+    ``final_exp * d`` in float64: this slice's share of KL(final || layer)."""
+    largest, d, _, first, exp_sum, weighted = _row_sums(rows)
+    return largest, first, exp_sum, weighted, (final_exp * d).sum(-1, dtype=F64)
 
 
 class Reductions(NamedTuple):
-    """`exp_sums` and `kl_and_ranks`, compiled."""
+    """`final_sums` and `layer_sums`, compiled."""
 
-    exp_sums: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    kl_and_ranks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    final_sums: Callable[..., tuple[torch.Tensor, ...]]
+    layer_sums: Callable[..., tuple[torch.Tensor, ...]]
 
 
 _lock = threading.Lock()
@@ -93,22 +91,15 @@ def compiled() -> Reductions | None:
 
 def _compile() -> Reductions | None:
     compat.compile_in_process()
-    found = Reductions(_compiled_anyway(exp_sums), _compiled_anyway(kl_and_ranks))
+    found = Reductions(_compiled_anyway(final_sums), _compiled_anyway(layer_sums))
     # Sizes of at least 2 and all different, and no tensor passed twice: dynamo specialises
     # sizes 0 and 1, sizes equal to one another and aliases, compiling again for the first
     # call that differs.
     layers, positions, size = 2, 3, 5
     zeros = torch.zeros
     try:
-        found.exp_sums(zeros(positions, size), zeros(positions, 1))
-        found.kl_and_ranks(
-            zeros(layers, positions, size),
-            zeros(layers, positions, 1),
-            zeros(layers, positions, 1),
-            zeros(positions, size),
-            zeros(positions, size),
-            zeros(layers, positions, 0),
-        )
+        found.final_sums(zeros(positions, size))
+        found.layer_sums(zeros(layers, positions, size), zeros(positions, size))
     except Exception as error:  # no C++ compiler, or one inductor cannot use
         log.warning("the lens's reductions run uncompiled: %s", _first_line(error))
         return None

@@ -96,26 +96,20 @@ def _reduce_positions(
     chunks = [
         rows[layers] for layers in even_chunks(len(rows), layers_per_call(n_pos, largest, budget))
     ]
-    final: tuple[torch.Tensor, torch.Tensor] | None = None
+    final: vocab_parallel.Final | None = None
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
         # Looked for before the chunk, agreed on with its summaries.
         seen = None if cancel is None else flag_seen(cancel)
         logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
-        summaries, cancelled = vocab_parallel.flagged_summaries(
-            shard, logits, top_k, targets, seen, compiled
+        summaries, final, cancelled = vocab_parallel.lens_summaries(
+            shard, logits, top_k, targets, seen, final, compiled
         )
         if cancelled and cancel is not None:  # (only a lens with a key sends a flag)
             raise LensCancelled(cancel_message(cancel))
-        normalizer = (summaries.largest, summaries.log_sum)
-        if final is None:
-            final_logp = vocab_parallel.normalized(
-                logits[-1], summaries.largest[-1], summaries.log_sum[-1]
-            )
-            final = (final_logp, final_logp.exp())
-        kl, ranks = vocab_parallel.sums(
-            shard, logits, normalizer, final, summaries.target_logp, compiled
-        )
+        assert summaries.kl is not None  # (lens_summaries always sums it)
+        kl = summaries.kl
+        ranks = vocab_parallel.target_ranks(shard, logits, summaries.target_logits)
         # 32-bit throughout: what crosses to the client is 4 bytes per number.
         pieces.append(
             {
@@ -137,9 +131,9 @@ def _reduce_positions(
 
 def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
     """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice) fit
-    ``budget`` bytes beside the final layer's log-probs and probabilities, which every chunk
-    keeps for KL. The reductions' own temporaries are blocks of a few MiB
-    (`vocab_parallel.row_blocks`)."""
+    ``budget`` bytes beside the final layer's exponentials, which every chunk keeps for KL
+    (`vocab_parallel.Final`), with a layer's size to spare. The reductions' own temporaries
+    are blocks of a few MiB (`vocab_parallel.row_blocks`)."""
     per_layer = max(1, n_pos * vocab * 4)
     return max(1, math.floor(budget / per_layer) - 2)
 
@@ -155,7 +149,7 @@ def even_chunks(n_layers: int, per_call: int) -> list[slice]:
 
 
 def positions_per_call(vocab: int, budget: int) -> int:
-    """Positions per block so that one layer of them, and the final layer's two tensors of
-    their size, fit ``budget`` as in `layers_per_call`: past that, a long prompt's single
+    """Positions per block so that one layer of them, the final layer's exponentials and a
+    layer's size to spare fit ``budget`` as in `layers_per_call`: past that, a long prompt's single
     layer would outgrow the budget with its length."""
     return max(1, math.floor(budget / max(1, vocab * 4 * 3)))

@@ -21,6 +21,8 @@ import torch
 from envoykit.model.vocab_shard import VocabShard
 from envoykit.ranks import fused
 
+F64 = torch.float64
+
 
 def whole(head: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> VocabShard:
     """One rank holding the whole vocabulary of ``head``."""
@@ -43,9 +45,10 @@ def row_blocks(n_rows: int, size: int, element_size: int) -> list[slice]:
     return [slice(start, start + per_block) for start in range(0, n_rows, per_block)]
 
 
-# A rank's message per row (`_message`): its largest logit, the two sums, its k candidates'
-# values then ids, the targets it holds, the flag.
-_CANDIDATES_AT = 3
+# A rank's message per row (`_message`): its largest logit, the sums of ``exp(d)``,
+# ``exp(d) * d`` and ``final_exp * d``, its k candidates' values then ids, the targets it
+# holds, the flag. Sent in float64: KL comes from differences of these sums.
+_CANDIDATES_AT = 4
 
 
 class Summaries(NamedTuple):
@@ -57,6 +60,17 @@ class Summaries(NamedTuple):
     top_ids: torch.Tensor  # [..., k] and their token ids
     target_logp: torch.Tensor  # [..., targets] the targets' log-probs
     entropy: torch.Tensor  # in nats
+    target_logits: torch.Tensor  # [..., targets] the targets' logits (`target_ranks`)
+    kl: torch.Tensor | None  # KL(final || cell) in nats, from `lens_summaries` alone
+
+
+class Final(NamedTuple):
+    """What every layer's KL(final || layer) needs of the final layer (`lens_summaries`)."""
+
+    exp: torch.Tensor  # [positions, size] this slice's exp(logit - its largest logit)
+    every: torch.Tensor  # [ranks, positions, columns] the ranks' messages for it
+    largest: torch.Tensor  # [positions] its largest logit over the whole vocabulary
+    log_sum: torch.Tensor  # [positions] and its log-sum-exp relative to it
 
 
 def summaries(
@@ -78,10 +92,9 @@ def flagged_summaries(
     top_k: int,
     targets: Sequence[int],
     flag: bool | None,
-    compiled: fused.Reductions | None = None,
 ) -> tuple[Summaries, bool]:
     """`Summaries` of the whole vocabulary from this slice's ``logits`` ``[..., size]`` and
-    one exchange.
+    one exchange (``kl`` None).
 
     Each rank sends its slice's largest logit ``m``, with ``d = logit - m`` (all ``<= 0``)
     the sums of ``exp(d)`` and of ``exp(d) * d``, its own top-k (values and ids, so the whole
@@ -102,14 +115,81 @@ def flagged_summaries(
     number per row): a lens's cancel flag (`envoykit.ranks.cancel`) costs no collective of
     its own, where ranks sharing cores each wait for the one descheduled. ``None``: no flag
     (every rank passes None alike), so none is read back (a device sync).
-
-    ``compiled``: the exponentials and their sums in one compiled loop (`compiled_on`).
     """
-    rows = logits.reshape(-1, logits.shape[-1])
-    local = _message(shard, rows, top_k, targets, flag, compiled)
+    grid = logits.reshape(1, -1, logits.shape[-1])
+    local = _message(shard, grid, top_k, targets, flag, None, None)
+    every = shard.gather(local.view(*logits.shape[:-1], local.shape[-1]))
+    return _combined(every, top_k), flag is not None and bool(every[..., -1].amax() > 0)
+
+
+def lens_summaries(
+    shard: VocabShard,
+    logits: torch.Tensor,
+    top_k: int,
+    targets: Sequence[int],
+    flag: bool | None,
+    final: Final | None,
+    compiled: fused.Reductions | None = None,
+) -> tuple[Summaries, Final, bool]:
+    """`flagged_summaries` of ``logits`` ``[layers, positions, size]`` with KL(final ||
+    layer) per cell, in the same single exchange. ``final``: the final layer's part, from
+    the call that had the final layer; None, the last layer of ``logits`` is the final
+    layer. Returns it for the calls that follow.
+
+    With ``d`` and ``m`` a cell's as in `flagged_summaries`, ``d_f``, ``m_f`` and ``e_f =
+    exp(d_f)`` the final layer's at the same position on the same rank, the final layer's
+    probabilities are ``e_f * w`` with ``w = exp(m_f - M_f) / S_f`` per rank, and
+    ``log p_f - log p = (d_f - d) + Δ`` with ``Δ = (m_f - M_f - log S_f) - (m - M - log S)``
+    per rank. So KL is, over the ranks, ``w * (N_f - B + S_f,rank * Δ)``: ``N_f =
+    sum(e_f * d_f)`` and ``S_f,rank = sum(e_f)`` are the final layer's own sums and each
+    rank sends ``B = sum(e_f * d)`` beside the rest, summed in float64. No pass normalises
+    the logits, and a lens without targets makes one exchange per chunk where KL used to
+    need a second. The final layer's own KL is 0 exactly (``B = N_f``, ``Δ = 0``).
+
+    ``compiled``: the exponentials and every sum in one compiled loop (`compiled_on`).
+    """
+    flagged = flag is not None
+    if final is None:
+        local, final_exp = _final_message(shard, logits[-1:], top_k, targets, flag, compiled)
+        if logits.shape[0] > 1:
+            others = _message(shard, logits[:-1], top_k, targets, flag, compiled, final_exp)
+            local = torch.cat([others, local])
+    else:
+        final_exp = final.exp
+        local = _message(shard, logits, top_k, targets, flag, compiled, final_exp)
+    every = shard.gather(local)
+    found = _combined(every, top_k)
+    if final is None:
+        final = Final(final_exp, every[:, -1], found.largest[-1], found.log_sum[-1])
+    found = found._replace(kl=_kl(every, found, final))
+    return found, final, flagged and bool(every[..., -1].amax() > 0)
+
+
+def normalized(logits: torch.Tensor, largest: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
+    """This slice's log-probs from its ``logits`` and `summaries`' ``largest`` and ``log_sum``,
+    in a new tensor: ``(logit - largest) - log_sum``."""
+    return torch.sub(logits, largest.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
+
+
+def _kl(every: torch.Tensor, found: Summaries, final: Final) -> torch.Tensor:
+    """KL(final || cell) ``[layers, positions]`` from every rank's messages ``every``
+    ``[ranks, layers, positions, columns]``, summed as `lens_summaries` says. The final
+    layer's cell gets 0 exactly: its ``delta`` is the same numbers' difference."""
+    at_final = final.every.unsqueeze(1)  # [ranks, 1, positions, columns]: for every layer
+    final_offset = at_final[..., 0] - final.largest
+    final_sum, final_weighted = at_final[..., 1], at_final[..., 2]
+    weight = final_offset.exp() / final_sum.mul(final_offset.exp()).sum(0)
+    offset = every[..., 0] - found.largest
+    delta = (final_offset - final.log_sum) - (offset - found.log_sum)
+    kl = (weight * (final_weighted - every[..., 3] + final_sum * delta)).sum(0)
+    return kl.clamp_min(0.0)
+
+
+def _combined(every: torch.Tensor, top_k: int) -> Summaries:
+    """The whole vocabulary's `Summaries` (``kl`` None) from every rank's messages ``every``
+    ``[ranks, ..., columns]`` (`_message`)."""
     ids_at = _CANDIDATES_AT + top_k
     targets_at = ids_at + top_k
-    every = shard.gather(local.view(*logits.shape[:-1], local.shape[-1]))
     whole_largest = every[..., 0].amax(dim=0)
     # Each rank's sums rescaled from its largest logit to the whole vocabulary's.
     offset = every[..., 0] - whole_largest
@@ -122,139 +202,179 @@ def flagged_summaries(
     top_values, picked = candidates.topk(top_k, dim=-1)
     top_ids = candidate_ids.gather(-1, picked).long()
     target_logits = every[..., targets_at:-1].sum(0)
-    flagged = flag is not None and bool(every[..., -1].amax() > 0)
 
     def logp(x: torch.Tensor) -> torch.Tensor:
         return (x - whole_largest.unsqueeze(-1)) - log_sum.unsqueeze(-1)
 
-    found = Summaries(
-        whole_largest, log_sum, logp(top_values), top_ids, logp(target_logits), entropy
+    return Summaries(
+        whole_largest,
+        log_sum,
+        logp(top_values),
+        top_ids,
+        logp(target_logits),
+        entropy,
+        target_logits,
+        None,
     )
-    return found, flagged
 
 
 def _message(
     shard: VocabShard,
-    rows: torch.Tensor,
+    grid: torch.Tensor,
     top_k: int,
     targets: Sequence[int],
     flag: bool | None,
     compiled: fused.Reductions | None,
+    final_exp: torch.Tensor | None,
 ) -> torch.Tensor:
-    """This rank's part of `flagged_summaries`' exchange, from its slice's ``rows`` of
-    logits ``[rows, size]``. A slice smaller than k sends -inf candidates (id 0), so every
-    rank sends k."""
-    k = min(top_k, shard.size)
-    ids_at = _CANDIDATES_AT + top_k
-    targets_at = ids_at + top_k
-    local = rows.new_zeros(rows.shape[0], targets_at + len(targets) + 1)
-    local[:, _CANDIDATES_AT + k : ids_at] = -torch.inf
-    local[:, -1] = float(bool(flag))
-    blocks = row_blocks(rows.shape[0], rows.shape[1], rows.element_size())
-    scratch = [rows.new_empty(rows[blocks[0]].shape) for _ in range(2)]
-    for block in blocks:
-        values, ids, exp_sum, weighted = _block_summary(rows[block], k, compiled, scratch)
-        local[block, 0] = values[:, 0]
-        local[block, 1], local[block, 2] = exp_sum, weighted
-        local[block, _CANDIDATES_AT : _CANDIDATES_AT + k] = values
-        local[block, ids_at : ids_at + k] = ids + shard.start  # exact: ids < 2**24
-    for i, token in enumerate(targets):
-        if shard.start <= token < shard.start + shard.size:
-            local[:, targets_at + i] = rows[:, token - shard.start]
+    """This rank's part of the exchange ``[layers, positions, columns]`` (float64), from its
+    slice's logits ``grid`` ``[layers, positions, size]``; with the final layer's
+    ``final_exp`` ``[positions, size]``, the sums KL needs (`lens_summaries`). A slice
+    smaller than k sends -inf candidates (id 0), so every rank sends k."""
+    local = _blank(shard, grid, top_k, targets, flag)
+    if compiled is not None and final_exp is not None:
+        found = compiled.layer_sums(grid, final_exp)
+        _fill(local, shard, grid, top_k, *found)
+        return local
+    blocks = row_blocks(grid.shape[1], grid.shape[2], grid.element_size())
+    scratch = [grid.new_empty(grid[0, blocks[0]].shape) for _ in range(2)]
+    for layer in range(grid.shape[0]):
+        for block in blocks:
+            part = grid[layer, block]
+            d, e = (buffer[: part.shape[0]] for buffer in scratch)
+            values, ids = _top(part, min(top_k, shard.size))
+            _fill_block(local[layer, block], shard, top_k, values, ids, *_sums(part, values, d, e))
+            if final_exp is not None:
+                local[layer, block, 3] = _dot(final_exp[block], d)
     return local
 
 
-def _block_summary(
-    part: torch.Tensor,
-    k: int,
-    compiled: fused.Reductions | None,
-    scratch: list[torch.Tensor],
-) -> tuple[torch.Tensor, ...]:
-    """A block of rows' top-k values and ids ``[rows, k]``, and with ``d`` each logit less
-    the row's largest, the sums of ``exp(d)`` and of ``exp(d) * d`` ``[rows]``; torch's
-    passes write ``d`` and ``exp(d)`` into ``scratch``."""
-    if compiled is not None and k == 1:
-        # The largest value alone is one fast pass (finding its index too took 4x as
-        # long); its first index comes from the compiled loop of the sums.
-        largest = part.amax(-1, keepdim=True)
-        first, exp_sum, weighted = compiled.exp_sums(part, largest)
-        return largest, first.unsqueeze(-1), exp_sum, weighted
-    # One pass for a top-1 where topk makes two.
-    values, ids = part.max(-1, keepdim=True) if k == 1 else part.topk(k, dim=-1)
-    largest = values[:, :1].contiguous()
-    if compiled is not None:
-        return values, ids, *compiled.exp_sums(part, largest)[1:]
-    d, e = (buffer[: part.shape[0]] for buffer in scratch)
-    torch.sub(part, largest, out=d)
-    torch.exp(d, out=e)
-    return values, ids, e.sum(-1), e.mul_(d).sum(-1)
-
-
-def normalized(logits: torch.Tensor, largest: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
-    """This slice's log-probs from its ``logits`` and `summaries`' ``largest`` and ``log_sum``,
-    in a new tensor: ``(logit - largest) - log_sum``, as `sums` computes them in place."""
-    return torch.sub(logits, largest.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
-
-
-def sums(
+def _final_message(
     shard: VocabShard,
-    logits: torch.Tensor,
-    normalizer: tuple[torch.Tensor, torch.Tensor],
-    final: tuple[torch.Tensor, torch.Tensor],
-    target_logp: torch.Tensor,
-    compiled: fused.Reductions | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(final || layer) ``[...]`` and the targets' ranks ``[..., targets]`` (the tokens
-    strictly more likely, 0 = the most likely) over the whole vocabulary, from this slice's
-    ``logits`` ``[..., positions, size]``, normalised as `normalized` does with `summaries`'
-    ``(largest, log_sum)`` as ``normalizer`` (in place, unless ``compiled``), the final
-    layer's log-probs and probabilities ``final`` ``[positions, size]`` (computed once by the
-    caller, for every chunk of layers) and one exchange.
-
-    KL in its elementwise form, summed by torch's cascade sum (a BLAS dot product over 49k
-    terms lost 6e-4 nats; a difference of two dot products would also cancel when a layer is
-    close to the final one), block by block of rows (`row_blocks`), so the passes over a
-    block read the cache; or, ``compiled``, in one compiled loop over every row.
-    """
-    final_logp, final_probs = final
-    n_pos, size = logits.shape[-2:]
-    grid = logits.view(-1, n_pos, size)
-    largest, log_sum = (part.view(grid.shape[:2]) for part in normalizer)
-    found = logits.new_empty(grid.shape[0], n_pos, 1 + target_logp.shape[-1])
-    thresholds = target_logp.reshape(grid.shape[0], n_pos, target_logp.shape[-1])
-    if compiled is not None:
-        found[..., 0], found[..., 1:] = compiled.kl_and_ranks(
-            grid, largest[..., None], log_sum[..., None], final_logp, final_probs, thresholds
-        )
-    else:
-        _eager_sums(grid, largest, log_sum, final, thresholds, found)
-    total = shard.gather(found.view(*logits.shape[:-1], found.shape[-1])).sum(0)
-    return total[..., 0].clamp_min(0.0), total[..., 1:]
-
-
-def _eager_sums(
     grid: torch.Tensor,
+    top_k: int,
+    targets: Sequence[int],
+    flag: bool | None,
+    compiled: fused.Reductions | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_message` of the final layer's logits ``grid`` ``[1, positions, size]``, and its
+    ``exp(d)`` ``[positions, size]`` for every layer's KL. Its own ``final_exp * d`` is its
+    sum of ``exp(d) * d``."""
+    local = _blank(shard, grid, top_k, targets, flag)
+    rows = grid[0]
+    if compiled is not None:
+        largest, first, exp_sum, weighted, exp = compiled.final_sums(rows)
+        _fill(local, shard, grid, top_k, largest[None], first[None], exp_sum, weighted, weighted)
+        return local, exp
+    exp = torch.empty_like(rows)
+    blocks = row_blocks(rows.shape[0], rows.shape[1], rows.element_size())
+    scratch = rows.new_empty(rows[blocks[0]].shape)
+    for block in blocks:
+        part = rows[block]
+        values, ids = _top(part, min(top_k, shard.size))
+        d, e = scratch[: part.shape[0]], exp[block]
+        exp_sum, weighted = _sums(part, values, d, e)
+        _fill_block(local[0, block], shard, top_k, values, ids, exp_sum, weighted)
+        local[0, block, 3] = weighted
+    return local, exp
+
+
+def _blank(
+    shard: VocabShard, grid: torch.Tensor, top_k: int, targets: Sequence[int], flag: bool | None
+) -> torch.Tensor:
+    """A message for ``grid``'s cells with what needs no pass over them: the flag, the
+    targets this rank holds, and -inf for the candidates a slice smaller than k lacks."""
+    k = min(top_k, shard.size)
+    ids_at = _CANDIDATES_AT + top_k
+    local = grid.new_zeros(*grid.shape[:-1], ids_at + top_k + len(targets) + 1, dtype=F64)
+    local[..., _CANDIDATES_AT + k : ids_at] = -torch.inf
+    local[..., -1] = float(bool(flag))
+    for i, token in enumerate(targets):
+        if shard.start <= token < shard.start + shard.size:
+            local[..., ids_at + top_k + i] = grid[..., token - shard.start]
+    return local
+
+
+def _fill(
+    local: torch.Tensor,
+    shard: VocabShard,
+    grid: torch.Tensor,
+    top_k: int,
     largest: torch.Tensor,
-    log_sum: torch.Tensor,
-    final: tuple[torch.Tensor, torch.Tensor],
-    thresholds: torch.Tensor,
-    found: torch.Tensor,
+    first: torch.Tensor,
+    exp_sum: torch.Tensor,
+    weighted: torch.Tensor,
+    final_weighted: torch.Tensor,
 ) -> None:
-    """`sums`' per-rank part without a compiler, written into ``found``, ``grid``
-    ``[layers, positions, size]`` normalised in place."""
-    final_logp, final_probs = final
-    n_pos, size = grid.shape[-2:]
-    blocks = row_blocks(n_pos, size, grid.element_size())
-    scratch = grid.new_empty(grid[0, blocks[0]].shape)
-    for layer in range(grid.shape[0]):
-        for block in blocks:
-            logp = grid[layer, block]
-            difference = scratch[: logp.shape[0]]
-            logp.sub_(largest[layer, block, None]).sub_(log_sum[layer, block, None])
-            torch.sub(final_logp[block], logp, out=difference)
-            found[layer, block, 0] = difference.mul_(final_probs[block]).sum(-1)
-            for i in range(thresholds.shape[-1]):
-                # Counted in int32 (the default, int64, took 1.6x as long); exact as floats:
-                # counts < 2**24.
-                above = logp > thresholds[layer, block, i, None]
-                found[layer, block, 1 + i] = above.sum(-1, dtype=torch.int32)
+    """Write a compiled loop's sums into ``local``, with the top-k candidates: the loop's
+    largest value and its first index for a top-1, ``topk`` for more."""
+    k = min(top_k, shard.size)
+    if k == 1:
+        values, ids = largest, first.unsqueeze(-1)
+    else:
+        values, ids = grid.topk(k, dim=-1)
+    _fill_block(local, shard, top_k, values, ids, exp_sum, weighted)
+    local[..., 3] = final_weighted
+
+
+def _fill_block(
+    local: torch.Tensor,
+    shard: VocabShard,
+    top_k: int,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    exp_sum: torch.Tensor,
+    weighted: torch.Tensor,
+) -> None:
+    """Write cells' top-k ``values`` and ``ids`` ``[..., k]`` and their two sums into their
+    messages ``local``."""
+    k = values.shape[-1]
+    ids_at = _CANDIDATES_AT + top_k
+    local[..., 0] = values[..., 0]
+    local[..., 1], local[..., 2] = exp_sum, weighted
+    local[..., _CANDIDATES_AT : _CANDIDATES_AT + k] = values
+    local[..., ids_at : ids_at + k] = ids + shard.start  # exact: ids < 2**24
+
+
+def _top(part: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block of rows' top-k values and ids ``[rows, k]``: one pass for a top-1, where
+    ``topk`` makes two."""
+    return part.max(-1, keepdim=True) if k == 1 else part.topk(k, dim=-1)
+
+
+def _sums(
+    part: torch.Tensor, values: torch.Tensor, d: torch.Tensor, e: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """With ``d`` each logit of the block ``part`` less its row's largest (``values[:, :1]``),
+    written into ``d``, and ``exp(d)`` into ``e``: the sums of ``exp(d)`` and of
+    ``exp(d) * d`` ``[rows]`` in float64, as the compiled loop sums them."""
+    torch.sub(part, values[:, :1], out=d)
+    torch.exp(d, out=e)
+    return e.sum(-1, dtype=F64), _dot(e, d)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum of ``a * b`` accumulated in float64."""
+    return torch.mul(a, b).sum(-1, dtype=F64)
+
+
+def target_ranks(
+    shard: VocabShard, logits: torch.Tensor, target_logits: torch.Tensor
+) -> torch.Tensor:
+    """The targets' ranks ``[layers, positions, targets]`` over the whole vocabulary (the
+    tokens with a larger logit; 0 = the most likely), from this slice's ``logits``
+    ``[layers, positions, size]``, `Summaries`' ``target_logits`` and one exchange (none
+    without targets: every rank has the same). Counted on the logits themselves: a
+    token's rank is the same over its logits as over its log-probs, without rounding them."""
+    n_targets = target_logits.shape[-1]
+    counts = logits.new_zeros(*logits.shape[:-1], n_targets)
+    if not n_targets:
+        return counts
+    thresholds = target_logits.to(logits.dtype)  # exact: they are these logits' values
+    for layer in range(logits.shape[0]):
+        for i in range(n_targets):
+            # Counted in int32 (the default, int64, took 1.6x as long); exact as floats:
+            # counts < 2**24.
+            above = logits[layer] > thresholds[layer, :, i, None]
+            counts[layer, :, i] = above.sum(-1, dtype=torch.int32)
+    return shard.gather(counts).sum(0)

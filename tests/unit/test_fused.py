@@ -32,26 +32,37 @@ def test_first_index_of_the_largest_value_as_torch_max(reductions):
     rows[1, [7, 300, 40000]] = 50.0
     rows[2, 0] = rows[3, -1] = 60.0
     rows[4] = 1.0  # every token tied
-    first, _, _ = reductions.exp_sums(rows, rows.amax(-1, keepdim=True))
+    largest, first, *_ = reductions.final_sums(rows)
     assert torch.equal(first.long(), rows.max(-1).indices)
+    assert torch.equal(largest[:, 0], rows.max(-1).values)
+    _, first, *_ = reductions.layer_sums(rows.view(2, 3, -1), torch.rand(3, rows.shape[1]))
+    assert torch.equal(first.flatten().long(), rows.max(-1).indices)
 
 
 def test_a_row_with_no_largest_value_still_names_a_token(reductions):
     rows = torch.zeros(3, 11)
     rows[1, 4] = torch.nan
-    first, _, _ = reductions.exp_sums(rows, rows.amax(-1, keepdim=True))
+    _, first, *_ = reductions.final_sums(rows)
     assert 0 <= int(first[1]) < rows.shape[1]
 
 
 def test_sums_over_a_whole_vocabulary_keep_float64_accuracy(reductions):
     """Inductor's float32 sums over 49k terms were 4e-6 off relative; accumulated in float64
     the compiled loop stays within float32's own rounding of a float64 reference."""
-    rows = torch.randn(32, 49152, generator=torch.Generator().manual_seed(1)) * 4
-    largest = rows.amax(-1, keepdim=True)
-    _, exp_sum, weighted = reductions.exp_sums(rows, largest)
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(2, 16, 49152, generator=generator) * 4
+    final = torch.randn(16, 49152, generator=generator) * 4
+    largest, _, exp_sum, weighted, final_exp = reductions.final_sums(final)
+    d = final.double() - largest.double()
+    # The loop's exp is vectorised: within 2 float32 ulps, or 1e-9 where exp(d) is tiny.
+    torch.testing.assert_close(final_exp, d.exp().float(), rtol=2.5e-7, atol=1e-9)
+    torch.testing.assert_close(exp_sum, d.exp().sum(-1), rtol=2e-7, atol=0)
+    torch.testing.assert_close(weighted, (d.exp() * d).sum(-1), rtol=2e-7, atol=0)
+    largest, _, exp_sum, weighted, final_weighted = reductions.layer_sums(rows, final_exp)
     d = rows.double() - largest.double()
     torch.testing.assert_close(exp_sum, d.exp().sum(-1), rtol=2e-7, atol=0)
     torch.testing.assert_close(weighted, (d.exp() * d).sum(-1), rtol=2e-7, atol=0)
+    torch.testing.assert_close(final_weighted, (final_exp.double() * d).sum(-1), rtol=2e-7, atol=0)
 
 
 FALLBACK = """

@@ -75,7 +75,7 @@ def cancel_message(key: str) -> str:
 def flag_seen(key: str) -> bool:
     """On a rank: whether it sees the flag of ``key``. The ranks must still agree on it in
     an exchange: `stop_if_cancelled`, or the flag sent with a chunk's summaries
-    (`envoykit.ranks.vocab_parallel.flagged_summaries`)."""
+    (`envoykit.ranks.vocab_parallel.lens_summaries`)."""
     return os.path.exists(flag_path(tempfile.gettempdir(), key))
 
 

@@ -1,15 +1,14 @@
 """The lens's per-row reductions as single expressions, compiled on the CPU into fused loops.
 
-`envoykit.ranks.vocab_parallel` reduces each row of a slice's logits with a dozen elementwise
-passes (the largest logit, the exponentials and their two sums; then normalising, KL against
-the final layer, the targets' ranks), each a torch call that reads and writes the row. Written
-as one expression each and compiled by torch's inductor, the exponentials, their two sums and
-the top-1's index become one loop, and normalising, KL and the ranks another, with no
-temporaries: on 3,584 rows of ``demo``'s 49,152-token vocabulary the summaries' part took
-0.12 s instead of 0.24 s and KL 0.05 s instead of 0.10 s on one thread (0.07 and 0.03 s
-instead of 0.13 and 0.06 s on two). The sums accumulate in float64 in the loop (inductor's
-float32 sums are sequential per lane: 4e-6 relative over 49k terms, where torch's cascade sum
-keeps 2e-7), which costs nothing measurable.
+`envoykit.ranks.vocab_parallel` reduces each row of a slice's logits to a few sums (its
+largest logit and its index, the sums of the exponentials that give the log-sum-exp and the
+entropy, and its share of KL against the final layer). In torch's passes that is half a dozen
+elementwise calls per block of rows, each reading and writing the block. Written as one
+expression and compiled by torch's inductor, a row's reductions become one loop over it with
+no temporaries: `final_sums` for the final layer's rows (keeping their exponentials, which
+every layer's KL reads) and `layer_sums` for every other layer's. The sums accumulate in
+float64 in the loop (inductor's float32 sums are sequential per lane: 4e-6 relative over 49k
+terms, where torch's cascade sum keeps 2e-7), which costs nothing measurable.
 
 Compiling takes 1-3 s the first time a process asks (inductor's cache on disk makes later
 processes quicker), so only long work asks for it: the corpus lens, whose every chunk reduces

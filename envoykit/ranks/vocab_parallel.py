@@ -5,10 +5,11 @@ its own slice of tokens. Gathering the whole ``[cells, vocab]`` logits onto ever
 the model's logits processor does for sampling) and reducing them there makes every rank
 repeat the whole reduction, N times the work, after moving N-1 slices of full-vocabulary
 logits between them; on ranks that share cores that was most of a lens's time. Here each
-rank summarises its own slice per cell (its log-normaliser and its share of the entropy, its
-top-k, the targets it holds), the ranks exchange those summaries (a few numbers per cell),
-and each rank then sums its slice's share of KL and the targets' ranks, exchanged the same
-way. Every rank ends with the same statistics of the whole vocabulary.
+rank summarises its own slice per cell (its log-normaliser, its shares of the entropy and of
+KL against the final layer, its top-k, the targets it holds) and the ranks exchange those
+summaries (a few numbers per cell); a lens with targets then counts the tokens above each
+target's logit in a second exchange. Every rank ends with the same statistics of the whole
+vocabulary.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ _CANDIDATES_AT = 4
 
 
 class Summaries(NamedTuple):
-    """Per cell ``[...]`` of the whole vocabulary, from one exchange (`flagged_summaries`)."""
+    """Per cell ``[...]`` of the whole vocabulary, from one exchange (`summaries`)."""
 
     largest: torch.Tensor  # the largest logit
     log_sum: torch.Tensor  # log-sum-exp relative to it: logp = (logit - largest) - log_sum
@@ -73,28 +74,17 @@ class Final(NamedTuple):
     log_sum: torch.Tensor  # [positions] and its log-sum-exp relative to it
 
 
-def summaries(
-    shard: VocabShard, logits: torch.Tensor, top_k: int, targets: Sequence[int]
-) -> Summaries:
-    """`flagged_summaries` with no flag: the summaries alone."""
-    return flagged_summaries(shard, logits, top_k, targets, None)[0]
-
-
 def compiled_on(device: torch.device) -> fused.Reductions | None:
     """The compiled reductions (`envoykit.ranks.fused`) for logits on ``device``, or None: on
     the CPU, where compiling works."""
     return fused.compiled() if device.type == "cpu" else None
 
 
-def flagged_summaries(
-    shard: VocabShard,
-    logits: torch.Tensor,
-    top_k: int,
-    targets: Sequence[int],
-    flag: bool | None,
-) -> tuple[Summaries, bool]:
+def summaries(
+    shard: VocabShard, logits: torch.Tensor, top_k: int, targets: Sequence[int]
+) -> Summaries:
     """`Summaries` of the whole vocabulary from this slice's ``logits`` ``[..., size]`` and
-    one exchange (``kl`` None).
+    one exchange (``kl`` None: `lens_summaries` adds it).
 
     Each rank sends its slice's largest logit ``m``, with ``d = logit - m`` (all ``<= 0``)
     the sums of ``exp(d)`` and of ``exp(d) * d``, its own top-k (values and ids, so the whole
@@ -110,16 +100,10 @@ def flagged_summaries(
     second pass of exponentials over the log-probs: ``H = log S - sum(exp(d) * d) / S`` with
     ``S = sum(exp(d))``, shifted to the whole vocabulary's largest logit. Both terms are
     sums of terms of one sign, so nothing cancels, even for a near-certain cell.
-
-    Also returns whether any rank's ``flag`` was up, sent in the same exchange (one more
-    number per row): a lens's cancel flag (`envoykit.ranks.cancel`) costs no collective of
-    its own, where ranks sharing cores each wait for the one descheduled. ``None``: no flag
-    (every rank passes None alike), so none is read back (a device sync).
     """
     grid = logits.reshape(1, -1, logits.shape[-1])
-    local = _message(shard, grid, top_k, targets, flag, None, None)
-    every = shard.gather(local.view(*logits.shape[:-1], local.shape[-1]))
-    return _combined(every, top_k), flag is not None and bool(every[..., -1].amax() > 0)
+    local = _message(shard, grid, top_k, targets, None, None, None)
+    return _combined(shard.gather(local.view(*logits.shape[:-1], local.shape[-1])), top_k)
 
 
 def lens_summaries(
@@ -131,12 +115,17 @@ def lens_summaries(
     final: Final | None,
     compiled: fused.Reductions | None = None,
 ) -> tuple[Summaries, Final, bool]:
-    """`flagged_summaries` of ``logits`` ``[layers, positions, size]`` with KL(final ||
-    layer) per cell, in the same single exchange. ``final``: the final layer's part, from
-    the call that had the final layer; None, the last layer of ``logits`` is the final
-    layer. Returns it for the calls that follow.
+    """`summaries` of ``logits`` ``[layers, positions, size]`` with KL(final || layer) per
+    cell, in the same single exchange. ``final``: the final layer's part, from the call that
+    had the final layer; None, the last layer of ``logits`` is the final layer. Returns it
+    for the calls that follow.
 
-    With ``d`` and ``m`` a cell's as in `flagged_summaries`, ``d_f``, ``m_f`` and ``e_f =
+    Also returns whether any rank's ``flag`` was up, sent in the same exchange (one more
+    number per row): a lens's cancel flag (`envoykit.ranks.cancel`) costs no collective of
+    its own, where ranks sharing cores each wait for the one descheduled. ``None``: no flag
+    (every rank passes None alike), so none is read back (a device sync).
+
+    With ``d`` and ``m`` a cell's as in `summaries`, ``d_f``, ``m_f`` and ``e_f =
     exp(d_f)`` the final layer's at the same position on the same rank, the final layer's
     probabilities are ``e_f * w`` with ``w = exp(m_f - M_f) / S_f`` per rank, and
     ``log p_f - log p = (d_f - d) + Δ`` with ``Δ = (m_f - M_f - log S_f) - (m - M - log S)``

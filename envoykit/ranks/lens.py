@@ -107,26 +107,70 @@ def _reduce_positions(
         )
         if cancelled and cancel is not None:  # (only a lens with a key sends a flag)
             raise LensCancelled(cancel_message(cancel))
-        assert summaries.kl is not None  # (lens_summaries always sums it)
-        kl = summaries.kl
         ranks = vocab_parallel.target_ranks(shard, logits, summaries.target_logits)
-        # 32-bit throughout: what crosses to the client is 4 bytes per number.
-        pieces.append(
-            {
-                "top_ids": summaries.top_ids.int(),
-                "top_probs": summaries.top_logp.exp().float(),
-                "entropy": summaries.entropy.float(),
-                "kl": kl.float(),
-                "target_probs": summaries.target_logp.exp().float(),
-                "target_ranks": ranks.int(),
-            }
-        )
+        pieces.append(_piece(summaries, ranks))
         # This chunk's logits go before the next chunk's exist: held across the next head
         # call, they added a chunk to the peak (a second long demo lens at TP=3: a rank's
         # peak rose up to 169 MiB above its start with them, up to 84 MiB without).
         del logits
     pieces.reverse()
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
+
+
+def _piece(summaries: vocab_parallel.Summaries, ranks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`lens_statistics`' tensors of one chunk, 32-bit throughout: what crosses to the client
+    is 4 bytes per number."""
+    assert summaries.kl is not None  # (the lens's summaries always sum it)
+    return {
+        "top_ids": summaries.top_ids.int(),
+        "top_probs": summaries.top_logp.exp().float(),
+        "entropy": summaries.entropy.float(),
+        "kl": summaries.kl.float(),
+        "target_probs": summaries.target_logp.exp().float(),
+        "target_ranks": ranks.int(),
+    }
+
+
+def lens_messages(
+    norm: Any,
+    shard: VocabShard,
+    streams: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    top_k: int,
+    flag: bool,
+    budget: int = DEFAULT_MEMORY_BUDGET,
+    fused: bool = False,
+) -> torch.Tensor:
+    """The first half of `lens_statistics` without targets, on this rank alone: its messages
+    ``[layers, positions, columns]`` (`vocab_parallel.lens_message`), chunked to ``budget``
+    as `lens_statistics` chunks, with ``flag`` sent in each. A caller that lenses many
+    streams (the corpus lens's documents) sends their messages in one exchange and reduces
+    them with `statistics_of`, where `lens_statistics` makes one exchange per chunk."""
+    rows = [normalize(norm, value, residual) for value, residual in streams]
+    largest = shard.largest
+    span = positions_per_call(largest, budget)
+    compiled = vocab_parallel.compiled_on(rows[0].device) if fused else None
+    blocks = []
+    for start in range(0, rows[0].shape[0], span):
+        block = [row[start : start + span] for row in rows]
+        n_pos = block[0].shape[0]
+        layers = even_chunks(len(block), layers_per_call(n_pos, largest, budget))
+        messages, final_exp = [], None
+        for chunk in (block[part] for part in layers):  # the final layer's chunk first
+            logits = shard.logits(torch.cat(chunk, dim=0)).float().unflatten(0, (len(chunk), n_pos))
+            local, final_exp = vocab_parallel.lens_message(
+                shard, logits, top_k, (), flag, final_exp, compiled
+            )
+            messages.append(local)
+            del logits  # (as in `_reduce_positions`)
+        blocks.append(torch.cat(messages[::-1]))
+    return torch.cat(blocks, dim=1)
+
+
+def statistics_of(every: torch.Tensor, top_k: int) -> dict[str, torch.Tensor]:
+    """`lens_statistics`' result from every rank's `lens_messages` ``every``
+    ``[ranks, layers, positions, columns]``, positions of any number of lenses side by side."""
+    summaries = vocab_parallel.lens_combined(every, top_k, None)
+    return _piece(summaries, every.new_zeros(*every.shape[1:3], 0))
 
 
 def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:

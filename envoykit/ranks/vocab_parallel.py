@@ -137,21 +137,52 @@ def lens_summaries(
 
     ``compiled``: the exponentials and every sum in one compiled loop (`compiled_on`).
     """
-    flagged = flag is not None
-    if final is None:
-        local, final_exp = _final_message(shard, logits[-1:], top_k, targets, flag, compiled)
-        if logits.shape[0] > 1:
-            others = _message(shard, logits[:-1], top_k, targets, flag, compiled, final_exp)
-            local = torch.cat([others, local])
-    else:
-        final_exp = final.exp
-        local = _message(shard, logits, top_k, targets, flag, compiled, final_exp)
+    final_exp = None if final is None else final.exp
+    local, final_exp = lens_message(shard, logits, top_k, targets, flag, final_exp, compiled)
     every = shard.gather(local)
-    found = _combined(every, top_k)
+    found = lens_combined(every, top_k, final)
     if final is None:
         final = Final(final_exp, every[:, -1], found.largest[-1], found.log_sum[-1])
-    found = found._replace(kl=_kl(every, found, final))
-    return found, final, flagged and bool(every[..., -1].amax() > 0)
+    return found, final, flag is not None and flag_up(every)
+
+
+def flag_up(every: torch.Tensor) -> bool:
+    """Whether any rank's message in ``every`` carries a raised flag."""
+    return bool(every[..., -1].amax() > 0)
+
+
+def lens_message(
+    shard: VocabShard,
+    logits: torch.Tensor,
+    top_k: int,
+    targets: Sequence[int],
+    flag: bool | None,
+    final_exp: torch.Tensor | None,
+    compiled: fused.Reductions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's half of `lens_summaries`, with no exchange: its message
+    ``[layers, positions, columns]`` and the final layer's exponentials (``final_exp``, or
+    the last layer's of ``logits`` where it is None). It needs nothing of the other ranks,
+    so a caller may send the messages of many calls in one exchange (`lens_combined`)."""
+    if final_exp is not None:
+        return _message(shard, logits, top_k, targets, flag, compiled, final_exp), final_exp
+    local, final_exp = _final_message(shard, logits[-1:], top_k, targets, flag, compiled)
+    if logits.shape[0] > 1:
+        others = _message(shard, logits[:-1], top_k, targets, flag, compiled, final_exp)
+        local = torch.cat([others, local])
+    return local, final_exp
+
+
+def lens_combined(every: torch.Tensor, top_k: int, final: Final | None) -> Summaries:
+    """The other half: `Summaries` with KL from every rank's messages ``every``
+    ``[ranks, layers, positions, columns]`` (`lens_message`), whose last layer is the final
+    layer where ``final`` is None."""
+    found = _combined(every, top_k)
+    if final is None:
+        at_final = (every[:, -1], found.largest[-1], found.log_sum[-1])
+    else:
+        at_final = (final.every, final.largest, final.log_sum)
+    return found._replace(kl=_kl(every, found, *at_final))
 
 
 def normalized(logits: torch.Tensor, largest: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
@@ -160,16 +191,24 @@ def normalized(logits: torch.Tensor, largest: torch.Tensor, log_sum: torch.Tenso
     return torch.sub(logits, largest.unsqueeze(-1)).sub_(log_sum.unsqueeze(-1))
 
 
-def _kl(every: torch.Tensor, found: Summaries, final: Final) -> torch.Tensor:
+def _kl(
+    every: torch.Tensor,
+    found: Summaries,
+    final_every: torch.Tensor,
+    final_largest: torch.Tensor,
+    final_log_sum: torch.Tensor,
+) -> torch.Tensor:
     """KL(final || cell) ``[layers, positions]`` from every rank's messages ``every``
-    ``[ranks, layers, positions, columns]``, summed as `lens_summaries` says. The final
-    layer's cell gets 0 exactly: its ``delta`` is the same numbers' difference."""
-    at_final = final.every.unsqueeze(1)  # [ranks, 1, positions, columns]: for every layer
-    final_offset = at_final[..., 0] - final.largest
+    ``[ranks, layers, positions, columns]``, summed as `lens_summaries` says, with the final
+    layer's messages ``final_every`` ``[ranks, positions, columns]``, largest logit and
+    log-sum-exp. The final layer's cell gets 0 exactly: its ``delta`` is the same numbers'
+    difference."""
+    at_final = final_every.unsqueeze(1)  # [ranks, 1, positions, columns]: for every layer
+    final_offset = at_final[..., 0] - final_largest
     final_sum, final_weighted = at_final[..., 1], at_final[..., 2]
     weight = final_offset.exp() / final_sum.mul(final_offset.exp()).sum(0)
     offset = every[..., 0] - found.largest
-    delta = (final_offset - final.log_sum) - (offset - found.log_sum)
+    delta = (final_offset - final_log_sum) - (offset - found.log_sum)
     kl = (weight * (final_weighted - every[..., 3] + final_sum * delta)).sum(0)
     return kl.clamp_min(0.0)
 

@@ -127,9 +127,10 @@ def slice_bounds(n_ranks: int) -> list[int]:
     return [round(VOCAB * r / n_ranks) + (r > 0) for r in range(n_ranks)] + [VOCAB]
 
 
-def outcomes_on_ranks(n_ranks: int, head=None, exchanges=None, **kwargs) -> list:
+def outcomes_on_ranks(n_ranks: int, head=None, exchanges=None, work=None, **kwargs) -> list:
     """`on_ranks`, with each thread's error in place of its result where it raised;
-    ``exchanges``: a list that gets each exchange's number of values, per rank."""
+    ``exchanges``: a list that gets each exchange's number of values, per rank; ``work``:
+    what each rank runs with its ``shard=`` in place of `statistics`."""
     head = head if head is not None else CountingHead()
     bounds = slice_bounds(n_ranks)
     board: list = [None] * n_ranks
@@ -156,7 +157,7 @@ def outcomes_on_ranks(n_ranks: int, head=None, exchanges=None, **kwargs) -> list
 
     def rank_main(rank: int) -> None:
         try:
-            results[rank] = statistics(shard=shard(rank), **kwargs)
+            results[rank] = (work or statistics)(shard=shard(rank), **kwargs)
         except Exception as err:
             results[rank] = err
 
@@ -304,6 +305,43 @@ class TestSplitVocabulary:
             for key in ("top_probs", "target_probs", "entropy"):
                 torch.testing.assert_close(got[key].double(), want[key], atol=2e-6, rtol=0)
             # (No KL here: torch.distributions' own KL overflows to inf at these logits.)
+
+
+class TestManyLensesInOneExchange:
+    """`lens.lens_messages` of several lenses, exchanged at once and reduced by
+    `lens.statistics_of` (the corpus lens's groups of documents): each lens's statistics,
+    from one exchange in all."""
+
+    LENGTHS = (N_POS, 3, 5)
+
+    @staticmethod
+    def streams_of(i: int, n: int) -> list:
+        """Lens ``i``'s streams: ``n`` positions, scaled so no two lenses are alike."""
+        return [(h[:n] * (1 + i), None if r is None else r[:n]) for h, r in toy_streams(5)]
+
+    def lenses(self, shard, fused, budget):
+        with torch.no_grad():
+            messages = [
+                lens.lens_messages(
+                    ToyAddNorm(), shard, self.streams_of(i, n), 2, False, budget, fused
+                )
+                for i, n in enumerate(self.LENGTHS)
+            ]
+            return lens.statistics_of(shard.gather(torch.cat(messages, dim=1)), 2)
+
+    @FUSED
+    @pytest.mark.parametrize("budget", [lens.DEFAULT_MEMORY_BUDGET, 1], ids=["whole", "chunked"])
+    def test_each_lens_as_alone(self, fused, budget):
+        exchanges: list[int] = []
+        got = on_ranks(3, work=self.lenses, exchanges=exchanges, fused=fused, budget=budget)
+        assert len(exchanges) == 1
+        start = 0
+        for i, n in enumerate(self.LENGTHS):
+            want = reference(self.streams_of(i, n), top_k=2, targets=[])
+            for on_rank in got:
+                part = {key: value[:, start : start + n] for key, value in on_rank.items()}
+                assert_matches(part, want, 2e-5)
+            start += n
 
 
 class TestChunking:

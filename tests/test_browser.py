@@ -1073,10 +1073,10 @@ CLICK_WHEN_ENABLED = """([target, press]) => new Promise(resolve => {
 def cancel_a_sweep(page: Any, state: Callable[[], dict]) -> None:
     """Press Sweep, then Cancel the moment it can be pressed (the notebook's engine takes
     0.5 s more per row of a sweep, `slowed_rows`, and a sweep of ``tiny`` is still too
-    short for Playwright's own click to land in): the sweep stops after the row in flight, its header says so with no traceback, the bar stays short of full, and
-    Sweep is back while Cancel is not. Whether the sweep ends before the Cancel reaches the
-    kernel is not in the test's hands (on a loaded machine it can), so that case tries
-    again."""
+    short for Playwright's own click to land in): the sweep stops after the row in flight,
+    its header says so with no traceback, the bar stays short of full, and Sweep is back
+    while Cancel is not. Whether the sweep ends before the Cancel reaches the kernel is not
+    in the test's hands (on a loaded machine it can), so that case tries again."""
     sweep_button = page.locator(".ek-sweep button.widget-button", has_text="Sweep")
     cancel = page.locator(".ek-sweep button.widget-button", has_text="Cancel")
     header = page.locator(".ek-sweep .widget-html").first

@@ -261,19 +261,9 @@ def _message(
     smaller than k sends -inf candidates (id 0), so every rank sends k."""
     local = _blank(shard, grid, top_k, targets, flag)
     if compiled is not None and final_exp is not None:
-        found = compiled.layer_sums(grid, final_exp)
-        _fill(local, shard, grid, top_k, *found)
-        return local
-    blocks = row_blocks(grid.shape[1], grid.shape[2], grid.element_size())
-    scratch = [grid.new_empty(grid[0, blocks[0]].shape) for _ in range(2)]
-    for layer in range(grid.shape[0]):
-        for block in blocks:
-            part = grid[layer, block]
-            d, e = (buffer[: part.shape[0]] for buffer in scratch)
-            values, ids = _top(part, min(top_k, shard.size))
-            _fill_block(local[layer, block], shard, top_k, values, ids, *_sums(part, values, d, e))
-            if final_exp is not None:
-                local[layer, block, 3] = _dot(final_exp[block], d)
+        _fill(local, shard, grid, top_k, *compiled.layer_sums(grid, final_exp))
+    else:
+        _passes(local, shard, grid, top_k, final_exp, None)
     return local
 
 
@@ -295,16 +285,37 @@ def _final_message(
         _fill(local, shard, grid, top_k, largest[None], first[None], exp_sum, weighted, weighted)
         return local, exp
     exp = torch.empty_like(rows)
-    blocks = row_blocks(rows.shape[0], rows.shape[1], rows.element_size())
-    scratch = rows.new_empty(rows[blocks[0]].shape)
-    for block in blocks:
-        part = rows[block]
-        values, ids = _top(part, min(top_k, shard.size))
-        d, e = scratch[: part.shape[0]], exp[block]
-        exp_sum, weighted = _sums(part, values, d, e)
-        _fill_block(local[0, block], shard, top_k, values, ids, exp_sum, weighted)
-        local[0, block, 3] = weighted
+    _passes(local, shard, grid, top_k, None, exp)
     return local, exp
+
+
+def _passes(
+    local: torch.Tensor,
+    shard: VocabShard,
+    grid: torch.Tensor,
+    top_k: int,
+    final_exp: torch.Tensor | None,
+    exp: torch.Tensor | None,
+) -> None:
+    """`_message`'s sums in torch's passes, a block of rows at a time (`row_blocks`),
+    written into ``local``: with ``final_exp``, each row's sum of ``final_exp * d``; with
+    ``exp`` (``grid`` is the final layer), its exponentials written there, and each row's
+    own sum of ``exp(d) * d`` in their place."""
+    blocks = row_blocks(grid.shape[1], grid.shape[2], grid.element_size())
+    scratch = [grid.new_empty(grid[0, blocks[0]].shape) for _ in range(2)]
+    for layer in range(grid.shape[0]):
+        for block in blocks:
+            part = grid[layer, block]
+            d, e = (buffer[: part.shape[0]] for buffer in scratch)
+            if exp is not None:
+                e = exp[block]
+            values, ids = _top(part, min(top_k, shard.size))
+            exp_sum, weighted = _sums(part, values, d, e)
+            _fill_block(local[layer, block], shard, top_k, values, ids, exp_sum, weighted)
+            if final_exp is not None:
+                local[layer, block, 3] = _dot(final_exp[block], d)
+            elif exp is not None:
+                local[layer, block, 3] = weighted
 
 
 def _blank(

@@ -10,7 +10,7 @@ vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,52 +56,50 @@ def lens_statistics(
     device = rows[0].device
     if positions is not None:
         rows = [row[positions.to(device)] for row in rows]
-    # Each exchange is a collective: every rank must make the same calls, so chunks are sized
-    # by the largest slice (slices differ by the vocabulary's padding), not by this rank's.
-    largest = shard.largest
-    n_pos = rows[0].shape[0]
-    span = positions_per_call(largest, budget)
     compiled = vocab_parallel.compiled_on(device) if fused else None
     blocks = [
-        _reduce_positions(
-            shard,
-            [row[start : start + span] for row in rows],
-            top_k,
-            targets,
-            dtype,
-            budget,
-            largest,
-            cancel,
-            compiled,
-        )
-        for start in range(0, n_pos, span)
+        _reduce_positions(shard, chunks, top_k, targets, dtype, cancel, compiled)
+        for chunks in _chunked(rows, shard.largest, budget)
     ]
     return {key: torch.cat([block[key] for block in blocks], dim=1) for key in blocks[0]}
 
 
+def _chunked(
+    rows: list[torch.Tensor], largest: int, budget: int
+) -> Iterator[list[list[torch.Tensor]]]:
+    """Per block of positions (`positions_per_call`), the layers' rows in chunks that fit
+    ``budget`` (`layers_per_call`), the final layer's chunk first: every chunk needs its
+    distribution for KL. Each exchange is a collective: every rank must make the same
+    calls, so chunks are sized by the largest slice (slices differ by the vocabulary's
+    padding), not by this rank's."""
+    span = positions_per_call(largest, budget)
+    for start in range(0, rows[0].shape[0], span):
+        block = [row[start : start + span] for row in rows]
+        per_call = layers_per_call(block[0].shape[0], largest, budget)
+        yield [block[layers] for layers in even_chunks(len(block), per_call)]
+
+
+def _logits(shard: VocabShard, chunk: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """This slice's logits ``[layers, positions, size]`` of a chunk's rows, in ``dtype``."""
+    return shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), -1))
+
+
 def _reduce_positions(
     shard: VocabShard,
-    rows: list[torch.Tensor],
+    chunks: list[list[torch.Tensor]],
     top_k: int,
     targets: Sequence[int],
     dtype: torch.dtype,
-    budget: int,
-    largest: int,
     cancel: str | None,
     compiled: fused_reductions.Reductions | None,
 ) -> dict[str, torch.Tensor]:
-    """`lens_statistics` of one block of positions: layers in chunks that fit ``budget``."""
-    n_pos = rows[0].shape[0]
-    # The final layer's chunk goes first: every chunk needs its distribution for KL.
-    chunks = [
-        rows[layers] for layers in even_chunks(len(rows), layers_per_call(n_pos, largest, budget))
-    ]
+    """`lens_statistics` of one block of positions, its layers in ``chunks`` (`_chunked`)."""
     final: vocab_parallel.Final | None = None
     pieces: list[dict[str, torch.Tensor]] = []
     for chunk in chunks:
         # Looked for before the chunk, agreed on with its summaries.
         seen = None if cancel is None else flag_seen(cancel)
-        logits = shard.logits(torch.cat(chunk, dim=0)).to(dtype).unflatten(0, (len(chunk), n_pos))
+        logits = _logits(shard, chunk, dtype)
         summaries, final, cancelled = vocab_parallel.lens_summaries(
             shard, logits, top_k, targets, seen, final, compiled
         )
@@ -146,17 +144,12 @@ def lens_messages(
     streams (the corpus lens's documents) sends their messages in one exchange and reduces
     them with `statistics_of`, where `lens_statistics` makes one exchange per chunk."""
     rows = [normalize(norm, value, residual) for value, residual in streams]
-    largest = shard.largest
-    span = positions_per_call(largest, budget)
     compiled = vocab_parallel.compiled_on(rows[0].device) if fused else None
     blocks = []
-    for start in range(0, rows[0].shape[0], span):
-        block = [row[start : start + span] for row in rows]
-        n_pos = block[0].shape[0]
-        layers = even_chunks(len(block), layers_per_call(n_pos, largest, budget))
+    for chunks in _chunked(rows, shard.largest, budget):
         messages, final_exp = [], None
-        for chunk in (block[part] for part in layers):  # the final layer's chunk first
-            logits = shard.logits(torch.cat(chunk, dim=0)).float().unflatten(0, (len(chunk), n_pos))
+        for chunk in chunks:
+            logits = _logits(shard, chunk, torch.float32)
             local, final_exp = vocab_parallel.lens_message(
                 shard, logits, top_k, (), flag, final_exp, compiled
             )

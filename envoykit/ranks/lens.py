@@ -170,7 +170,7 @@ def layers_per_call(n_pos: int, vocab: int, budget: int) -> int:
     """Layers per unembedding call so the logits of ``vocab`` tokens (a rank's slice) fit
     ``budget`` bytes beside the final layer's exponentials, which every chunk keeps for KL
     (`vocab_parallel.Final`), with a layer's size to spare. The reductions' own temporaries
-    are blocks of a few MiB (`vocab_parallel.row_blocks`)."""
+    are blocks of a few MiB (`envoykit.ranks.messages.row_blocks`)."""
     per_layer = max(1, n_pos * vocab * 4)
     return max(1, math.floor(budget / per_layer) - 2)
 

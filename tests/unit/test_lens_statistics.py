@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from envoykit.ranks import cancel, lens, vocab_parallel
+from envoykit.ranks import cancel, lens, messages, vocab_parallel
 from envoykit.ranks import fused as fused_reductions
 
 D_MODEL, VOCAB, N_POS, TOP_K = 16, 37, 6, 5
@@ -387,7 +387,7 @@ class TestChunking:
         """The reductions run over blocks of rows that fit the cache: any block size, even
         one that leaves a short last block of positions, gives the reference, on one rank
         and on three."""
-        monkeypatch.setattr(vocab_parallel, "BLOCK_BYTES", rows * VOCAB * 4)
+        monkeypatch.setattr(messages, "BLOCK_BYTES", rows * VOCAB * 4)
         streams = toy_streams()
         want = reference(streams)
         assert_matches(statistics(streams), want, 2e-5)

@@ -59,8 +59,7 @@ NNSIGHT_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 # (anchor, the part that ends at it), in the order they happen in a start.
 PARTS = [
-    ("imports_done", "owner: import vllm + nnsight (envoykit.ranks.cpu)"),
-    ("gloo_done", "owner: nnsight's single-rank gloo group"),
+    ("gloo_done", "owner: import vLLM, nnsight's single-rank gloo group"),
     ("meta_done", "owner: nnsight meta tree + tokenizer"),
     ("llm_enter", "owner: rest before vllm.LLM()"),
     ("core_created", "owner: LLM() config + tokenizer, spawn core"),
@@ -235,26 +234,23 @@ def run_envoykit(spec: dict, clock: _Clock) -> dict:
 
     marks["import_envoykit_done"] = time.time()
     marks["import_envoykit"] = marks["import_envoykit_done"] - began
-    from envoykit.runtime import platform
+    from nnsight.modeling.vllm.vllm import VLLM
 
-    worker_module = platform.worker_module
+    from envoykit.model import envoys
 
-    def timed_worker_module(name):
-        module = worker_module(name)
-        marks["imports_done"] = time.time()
-        # Loaded now: wrap the steps of nnsight's and vLLM's start-up.
+    init_distributed = inspect.getattr_static(VLLM, "_init_distributed").__func__
+
+    def timed_init_distributed():
+        init_distributed()
+        marks["gloo_done"] = time.time()
+        # vLLM's client is imported by now: wrap the steps of its start.
         import vllm
-        from nnsight.modeling.vllm.vllm import VLLM
 
-        from envoykit.model import envoys
-
-        clock.wrap(VLLM, "_init_distributed", None, "gloo_done")
-        clock.wrap(envoys.EnvoykitVLLM, "_load_meta", None, "meta_done")
         clock.wrap(vllm.LLM, "__init__", "llm_enter", "llm_exit")
-        clock.wrap(envoys.EnvoykitVLLM, "__init__", None, "tree_done")
-        return module
 
-    platform.worker_module = timed_worker_module
+    VLLM._init_distributed = staticmethod(timed_init_distributed)
+    clock.wrap(envoys.EnvoykitVLLM, "_load_meta", None, "meta_done")
+    clock.wrap(envoys.EnvoykitVLLM, "__init__", None, "tree_done")
     marks["call"] = time.time()
     engine = ek.Engine(
         spec["model"], tensor_parallel_size=spec["tp"], progress=False, **spec["kwargs"]

@@ -86,7 +86,6 @@ PRIVATE = (
     Private(NNSIGHT_SERVER, "_persistent_objects", "envoykit serve: a quiet stop"),
     Private("nnsight.modeling.vllm.serve.cli", "_parse_vllm_args", "envoykit serve's vLLM flags"),
     # vLLM.
-    Private("vllm.v1.worker.cpu_model_runner", "_set_torch_accelerator_to_noop", "CPU ranks"),
     Private("vllm.v1.worker.gpu_worker:Worker", "_make_model_runner", "CUDA ranks", hook=True),
     Private("vllm", "_custom_ops", "meta kernels for a MoE model's build"),
     Private(SYNC_CLIENT, "outputs_queue", "a fast EngineDead", instance=True),
@@ -228,13 +227,6 @@ def parse_vllm_args(arguments: list[str]) -> dict[str, Any]:
 
 
 # --- vLLM ------------------------------------------------------------------------------
-
-
-def accelerator_calls_to_noop() -> None:
-    """vLLM's CPU helper that turns ``torch.accelerator`` calls into no-ops."""
-    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
-
-    _set_torch_accelerator_to_noop()
 
 
 def engine_core_waits(entry: Any) -> tuple[Any, list]:

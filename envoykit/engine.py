@@ -151,7 +151,7 @@ class EngineLifetime:
         if fork_core:  # its imports run beside this process's
             with platform.environment(env, forced={}):
                 forkserver.start()
-        workers = platform.worker_module(self._platform)
+        workers = platform.worker_class(self._platform)
         # The engine's temporary files (vLLM's ZeroMQ sockets, a few dozen per engine, and its
         # rendezvous file, which vLLM leaves behind) go to a directory of the engine's own,
         # removed with it. (mkdtemp also fixes this process's own temporary directory first.)
@@ -226,14 +226,13 @@ class EngineLifetime:
         """The line a start prints under its progress bar: none here (a server prints its
         own, with its URL)."""
 
-    def _spawn(self, workers: Any, env: dict[str, str], scratch: str, steps: Any) -> Any:
+    def _spawn(self, workers: str, env: dict[str, str], scratch: str, steps: Any) -> Any:
         """vLLM's engine under nnsight, its processes started with ``env`` and ``scratch``."""
         forced = {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
         with platform.environment(env, forced=forced):
             from envoykit.model.envoys import EnvoykitVLLM
 
             refuse_unknown_arguments(self._engine_kwargs)
-            workers.prepare_client()
             steps.update()
             steps.set_description(f"{self._source.name}: starting {self._tp} rank(s)")
             # Every rank would draw its own "Loading safetensors checkpoint shards" bar in the
@@ -245,7 +244,7 @@ class EngineLifetime:
             }
             llm = EnvoykitVLLM(
                 self._source.path,
-                worker_cls=workers.WORKER_CLS,
+                worker_cls=workers,
                 dispatch=True,
                 tensor_parallel_size=self._tp,
                 dtype=self._dtype,

@@ -398,7 +398,7 @@ def test_environment_yml_names_the_lock_pins():
 
 
 FORKED_CORE_OWNER = """
-import json, multiprocessing.util, os, time
+import gc, json, multiprocessing, multiprocessing.util, os, sys, time
 import envoykit as ek
 from envoykit.runtime import forkserver
 
@@ -416,7 +416,11 @@ if __name__ == "__main__":
         spawned, spawned_parent = lens_and_core(engine)
     del os.environ[forkserver.FORK_CORE]
     engine = ek.Engine("tiny", tensor_parallel_size=2, progress=False)
+    with multiprocessing.get_context("forkserver").Pool(1) as pool:  # forked from the server
+        frozen = pool.apply(gc.get_freeze_count)
     print(json.dumps({
+        "frozen": frozen, "owner_frozen": gc.get_freeze_count(),
+        "owner_imported_the_worker": "envoykit.ranks.cpu" in sys.modules,
         "forked": forked, "spawned": spawned, "names": names, "owner": os.getpid(),
         "kept": forkserver.running(), "running": [p.pid for p in engine.processes],
         "temporary": multiprocessing.util.get_temp_dir(),
@@ -431,8 +435,10 @@ def test_engine_core_forked_from_the_fork_server(tmp_path):
     """On the CPU the engine core is forked from a preloaded fork server, unless
     ``ENVOYKIT_FORK_CORE=0`` spawns it. In one owner: a forked core's lens equals a spawned
     core's, vLLM names the processes, the engine after the spawned one forks from the same
-    server, and a SIGKILLed owner takes the server and the running engine with it, leaving
-    no segment behind, and the server's janitor removes its socket's directory."""
+    server, whose children start with its preloaded heap frozen (their collections skip it)
+    and the owner's heap not, the owner never imports the ranks' worker, and a SIGKILLed owner takes the server and the running engine
+    with it, leaving no segment behind, and the server's janitor removes its socket's
+    directory."""
     script = tmp_path / "owner.py"
     script.write_text(FORKED_CORE_OWNER)
     before = leftovers()
@@ -449,6 +455,9 @@ def test_engine_core_forked_from_the_fork_server(tmp_path):
     assert report["names"] == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
     server, _janitor = report["kept"]
     assert report["core_parents"] == [server, report["owner"], server]
+    # torch, vLLM and nnsight are several hundred thousand objects
+    assert report["frozen"] > 100_000 and report["owner_frozen"] == 0, report
+    assert not report["owner_imported_the_worker"]
     assert os.path.isdir(report["temporary"])  # the janitor's work: gone below
     assert_gone_within(report["kept"] + report["running"], 30)
     assert_nothing_left_within(before, 30)

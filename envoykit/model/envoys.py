@@ -46,6 +46,7 @@ from nnsight.modeling.vllm.envoys import ParallelEnvoy
 from envoykit import _compat as compat
 from envoykit.errors import InvalidRequest, ShardedValue
 from envoykit.model.config import read_config
+from envoykit.model.loader_calls import structure_only
 from envoykit.model.readout import Readout, decoder_layers, lm_head_only, unembedding_module
 from envoykit.model.vocab_shard import VocabShard
 
@@ -101,7 +102,7 @@ class EnvoykitVLLM(VLLM):
         # every MoE model's build raised. They fill an ``empty_like`` of the weight in place,
         # so on meta there is nothing to do; for the length of this build, in this process
         # only, they do nothing on meta tensors. The ranks pack their real weights as before.
-        with compat.moe_meta_kernels():
+        with compat.moe_meta_kernels(), structure_only():
             meta_model = super()._load_meta(repo_id, **kwargs)
         config = read_config(repo_id)
         architecture = (config.get("architectures") or [type(meta_model).__name__])[0]

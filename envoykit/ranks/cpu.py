@@ -19,13 +19,10 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from envoykit import _compat as compat
 from envoykit.model.checkpoint_order import InstallFragments
+from envoykit.model.loader_calls import no_collections
 from envoykit.ranks.sae import SAEStore
-from envoykit.ranks.teardown import no_collections
 from envoykit.ranks.translators import TranslatorStore
-
-WORKER_CLS = "envoykit.ranks.cpu.NNsightCPUWorker"
 
 
 class NNsightCPUModelRunner(InstallFragments, NNsightGPUModelRunner, CPUModelRunner):
@@ -75,12 +72,3 @@ def _compile_nothing() -> None:
     ``torch.compile`` alone.
     """
     torch.compiler.set_stance("force_eager")
-
-
-def prepare_client() -> None:
-    """Let the client build nnsight's structure-only model tree without an accelerator.
-
-    vLLM's loader calls ``torch.accelerator.empty_cache()``, which raises when there is none;
-    vLLM's CPU runner has the helper that makes those calls no-ops.
-    """
-    compat.accelerator_calls_to_noop()

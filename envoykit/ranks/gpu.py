@@ -11,8 +11,6 @@ from envoykit.model.checkpoint_order import InstallFragments
 from envoykit.ranks.sae import SAEStore
 from envoykit.ranks.translators import TranslatorStore
 
-WORKER_CLS = "envoykit.ranks.gpu.EnvoykitGPUWorker"
-
 
 class EnvoykitGPUModelRunner(InstallFragments, NNsightGPUModelRunner):
     """nnsight's GPU runner whose envoy tree uses envoykit's fragment rules."""
@@ -34,7 +32,3 @@ class EnvoykitGPUWorker(TranslatorStore, SAEStore, NNsightGPUWorker):
                 "VLLM_USE_V2_MODEL_RUNNER to trace"
             )
         return EnvoykitGPUModelRunner(self.vllm_config, self.device)
-
-
-def prepare_client() -> None:
-    """Nothing to prepare: a CUDA client answers accelerator calls itself."""

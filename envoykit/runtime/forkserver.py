@@ -38,7 +38,7 @@ from multiprocessing import forkserver
 from typing import Any
 
 from envoykit import _compat as compat
-from envoykit.ranks.teardown import no_collections
+from envoykit.model.loader_calls import no_collections
 from envoykit.runtime import lifeline, logs
 from envoykit.runtime.janitor import Janitor
 
@@ -46,12 +46,14 @@ from envoykit.runtime.janitor import Janitor
 FORK_CORE = "ENVOYKIT_FORK_CORE"
 # What an engine core imports before it reads its config: vLLM's engine core and executor,
 # and through the worker module torch, nnsight and the model's vLLM classes; first, torch and
-# the engine's logging config (`envoykit.runtime.preload`).
+# the engine's logging config (`envoykit.runtime.preload`); last, a freeze of the heap they
+# built, which the forked processes' collections then skip (`envoykit.runtime.preloaded`).
 PRELOAD = [
     "envoykit.runtime.preload",
     "vllm.v1.engine.core",
     "vllm.v1.executor.multiproc_executor",
     "envoykit.ranks.cpu",
+    "envoykit.runtime.preloaded",
 ]
 
 

@@ -51,15 +51,15 @@ def default_ranks(platform: str) -> int:
     return len(usable_cpus())
 
 
-def worker_module(platform: str):
-    """The module holding this platform's worker class and client preparation."""
+def worker_class(platform: str) -> str:
+    """This platform's worker class, by the dotted name vLLM imports it from in each rank.
+
+    A name, not the class: its module imports vLLM's worker and model runner (0.5 s), which
+    the owner of an engine never runs.
+    """
     if platform == "cuda":
-        from envoykit.ranks import gpu
-
-        return gpu
-    from envoykit.ranks import cpu
-
-    return cpu
+        return "envoykit.ranks.gpu.EnvoykitGPUWorker"
+    return "envoykit.ranks.cpu.NNsightCPUWorker"
 
 
 def ranks_share_cores(tp: int) -> bool:

@@ -27,7 +27,7 @@ import io
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -297,7 +297,7 @@ class Connection(EngineSurface):
         # environment vLLM reads its logging from.
         with _BUILDING:
             self.log_file, log_env = _client_log()
-            with platform.environment(log_env, forced={}), _no_accelerator_calls():
+            with platform.environment(log_env, forced={}):
                 model = ServedVLLM(
                     checkpoint,
                     worker_cls=_NO_WORKERS,
@@ -332,51 +332,6 @@ def _client_log() -> tuple[Path, dict[str, str]]:
     """This process's log file for vLLM's notes while it builds trees (one per process, not
     one per connection), and the variables that send them there."""
     return logs.configure(models.cache_dir() / "logs", "ERROR")
-
-
-# The threads building a structure-only model now (`_no_accelerator_calls`).
-_BUILDERS: set[int] = set()
-
-
-@contextlib.contextmanager
-def _no_accelerator_calls() -> Iterator[None]:
-    """vLLM's loader empties the accelerator's cache while it builds a model, and torch
-    raises where there is no accelerator; the structure-only build makes nothing worth a cache,
-    so on the building thread both calls are no-ops. Every other thread keeps torch's own
-    calls (`_skip_on_builders`). Unlike the engine's own preparation
-    (`envoykit.ranks.cpu.prepare_client`), whose module also brings the CPU worker and model
-    runner: several seconds of imports a client never uses."""
-    import torch
-
-    if torch.accelerator.is_available():
-        yield
-        return
-    _skip_on_builders()
-    thread = threading.get_ident()
-    _BUILDERS.add(thread)
-    try:
-        yield
-    finally:
-        _BUILDERS.discard(thread)
-
-
-@functools.cache
-def _skip_on_builders() -> None:
-    """Wrap ``torch.accelerator.empty_cache`` and ``synchronize`` once, so they do nothing
-    on a thread in `_BUILDERS` and what torch does on any other."""
-    import torch
-
-    def skipped(call: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(call)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() in _BUILDERS:
-                return None
-            return call(*args, **kwargs)
-
-        return wrapper
-
-    torch.accelerator.empty_cache = skipped(torch.accelerator.empty_cache)
-    torch.accelerator.synchronize = skipped(torch.accelerator.synchronize)
 
 
 def _completion(model: Model, prompt: str, max_tokens: int) -> Any:

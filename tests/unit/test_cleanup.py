@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from envoykit.ranks.teardown import no_collections
+from envoykit.model.loader_calls import no_collections
 from envoykit.runtime import cleanup
 from envoykit.runtime.janitor import Janitor
 

@@ -31,3 +31,16 @@ def test_mla_with_plain_rope_on_cpu_is_refused_with_the_reason():
         platform.refuse_known_wrong("cpu", {**plain, **yarn})
     platform.refuse_known_wrong("cuda", plain)
     platform.refuse_known_wrong("cpu", {"model_type": "llama", "rope_scaling": None})
+
+
+@pytest.mark.parametrize("name, base", [("cpu", "CPUWorker"), ("cuda", "Worker")])
+def test_the_worker_class_named_for_each_platform_is_vllms_worker_with_nnsights_rpcs(name, base):
+    """The owner passes the worker class by name (its module is the ranks' import, not the
+    owner's); the name resolves, in a rank as here, to a subclass of vLLM's worker for that
+    platform that answers nnsight's RPCs."""
+    import importlib
+
+    module, _, cls = platform.worker_class(name).rpartition(".")
+    worker = getattr(importlib.import_module(module), cls)
+    assert base in [ancestor.__name__ for ancestor in worker.__mro__]
+    assert callable(worker.collect_nnsight)

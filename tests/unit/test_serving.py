@@ -205,12 +205,12 @@ def test_a_container_bound_above_the_invokes_is_merged():
     assert merged_saves(mediators, entries) == {"rows": ["a", "b"]}
 
 
-# Run in a fresh interpreter: an engine's client (vLLM's CPU set-up) turns these calls into
-# no-ops for the whole process, which would hide what a connection alone does.
+# Run in a fresh interpreter, whose torch calls are not wrapped yet (they are wrapped once per
+# process, and the wrapper then asks which thread calls).
 _ACCELERATOR_CHECK = """
 import threading
 import torch
-from envoykit.serve.client import _no_accelerator_calls
+from envoykit.model.loader_calls import structure_only
 
 def outcome(call):
     try:
@@ -220,7 +220,7 @@ def outcome(call):
         return "raises"
 
 elsewhere = []
-with _no_accelerator_calls():
+with structure_only():
     here = [outcome(torch.accelerator.empty_cache), outcome(torch.accelerator.synchronize)]
     sync = torch.accelerator.synchronize
     thread = threading.Thread(target=lambda: elsewhere.append(outcome(sync)))
@@ -233,11 +233,11 @@ print(here, elsewhere, outcome(torch.accelerator.empty_cache))
 @pytest.mark.skipif(
     __import__("torch").accelerator.is_available(), reason="the shim is for hosts without one"
 )
-def test_a_client_build_skips_accelerator_calls_on_its_own_thread_only():
-    """While a connection builds its structure-only model, vLLM's loader may empty the
-    accelerator's cache on that thread and nothing happens; any other thread meanwhile, and
-    the building thread afterwards, get torch's own answer (here: its error, as there is no
-    accelerator)."""
+def test_a_structure_only_build_skips_accelerator_calls_on_its_own_thread_only():
+    """While an engine or a connection builds its structure-only model, vLLM's loader may
+    empty the accelerator's cache on that thread and nothing happens; any other thread
+    meanwhile, and the building thread afterwards, get torch's own answer (here: its error,
+    as there is no accelerator)."""
     out = subprocess.run(
         [sys.executable, "-c", _ACCELERATOR_CHECK], capture_output=True, text=True, check=True
     )

@@ -436,9 +436,9 @@ def test_engine_core_forked_from_the_fork_server(tmp_path):
     ``ENVOYKIT_FORK_CORE=0`` spawns it. In one owner: a forked core's lens equals a spawned
     core's, vLLM names the processes, the engine after the spawned one forks from the same
     server, whose children start with its preloaded heap frozen (their collections skip it)
-    and the owner's heap not, the owner never imports the ranks' worker, and a SIGKILLed owner takes the server and the running engine
-    with it, leaving no segment behind, and the server's janitor removes its socket's
-    directory."""
+    and the owner's heap not, the owner never imports the ranks' worker, and a SIGKILLed
+    owner takes the server and the running engine with it, leaving no segment behind, and
+    the server's janitor removes its socket's directory."""
     script = tmp_path / "owner.py"
     script.write_text(FORKED_CORE_OWNER)
     before = leftovers()

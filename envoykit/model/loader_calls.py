@@ -35,14 +35,25 @@ def no_collections() -> Iterator[None]:
     engine closed inside a longer-lived process gives its memory back. A rank or an engine
     core exits right after, and each collection cost 0.35-0.4 s of ``close()`` at TP=1. The
     engine core still collects once as it leaves (``envoykit.runtime.forkserver``), for the
-    shared memory that reference cycles hold.
+    shared memory that reference cycles hold. Blocks may overlap (two engines starting in
+    two threads): collections come back when the last one ends.
     """
-    collect = gc.collect
-    gc.collect = _skipped
+    global _skipping
+    with _SKIPPING_LOCK:
+        _skipping += 1
+        gc.collect = _skipped
     try:
         yield
     finally:
-        gc.collect = collect
+        with _SKIPPING_LOCK:
+            _skipping -= 1
+            if not _skipping:
+                gc.collect = _COLLECT
+
+
+_COLLECT = gc.collect
+_SKIPPING_LOCK = threading.Lock()
+_skipping = 0  # blocks inside `no_collections` now
 
 
 def _skipped(generation: int = 2) -> int:

@@ -8,6 +8,7 @@ import gc
 import multiprocessing
 import os
 import time
+import types
 
 import psutil
 
@@ -80,6 +81,28 @@ def test_teardown_skips_collections_and_then_collects_again():
             Cycle(freed)
             assert gc.collect() == 0
             assert not freed
+        gc.collect()
+    finally:
+        gc.enable()
+    assert freed == [True]
+
+
+def test_overlapping_blocks_without_collections_give_collections_back_at_the_last_end():
+    """Two engines' meta builds in two threads: blocks that overlap without nesting (the
+    first to start ends first) skip collections until the last one ends, then restore
+    Python's own."""
+    freed: list = []
+    first, second = no_collections(), no_collections()
+    gc.disable()  # no automatic collection between the lines
+    try:
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        Cycle(freed)
+        gc.collect()  # the second block still runs
+        assert not freed
+        second.__exit__(None, None, None)
+        assert isinstance(gc.collect, types.BuiltinFunctionType)
         gc.collect()
     finally:
         gc.enable()

@@ -71,7 +71,8 @@ PARTS = [
     ("kv_done", "KV cache, profiling, warm-up"),
     ("llm_exit", "owner: core ready -> LLM() returns"),
     ("tree_done", "owner: nnsight envoy tree"),
-    ("ready", "owner: envoykit bookkeeping (procs, janitor)"),
+    ("check_started", "owner: envoykit bookkeeping (procs, janitor)"),
+    ("ready", "owner: self-check (validate=True)"),
 ]
 EXTRA = [
     ("import_envoykit", "owner: import envoykit (before start)"),
@@ -251,6 +252,9 @@ def run_envoykit(spec: dict, clock: _Clock) -> dict:
     VLLM._init_distributed = staticmethod(timed_init_distributed)
     clock.wrap(envoys.EnvoykitVLLM, "_load_meta", None, "meta_done")
     clock.wrap(envoys.EnvoykitVLLM, "__init__", None, "tree_done")
+    from envoykit.analyses import selfcheck
+
+    clock.wrap(selfcheck, "run", "check_started", None)
     marks["call"] = time.time()
     engine = ek.Engine(
         spec["model"], tensor_parallel_size=spec["tp"], progress=False, **spec["kwargs"]

@@ -22,7 +22,7 @@ from conftest import start
 
 import envoykit as ek
 from envoykit.runtime import forkserver
-from envoykit.runtime.platform import ranks_share_cores
+from envoykit.runtime.platform import CORE_NICENESS, ranks_share_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,14 +82,14 @@ class TestEngine:
         assert all(p.is_running() for p in tiny2.processes)
 
     def test_the_engine_core_waits_below_ranks_that_own_their_cores(self, tiny2, demo3):
-        """The engine core's main thread spins at the lowest priority where every rank has
-        a core of its own, and at the ranks' priority where they share cores; its other
-        threads and the ranks keep theirs (`platform.yield_to_ranks`)."""
+        """The engine core's main thread spins below the ranks where every rank has a core
+        of its own, and at the ranks' priority where they share cores; its other threads
+        and the ranks keep theirs (`platform.yield_to_ranks`)."""
         for engine in (tiny2, demo3):
             owns = not ranks_share_cores(engine.info.tp)
             core = next(p for p in engine.processes if p.name() == "VLLM::EngineCore")
             priorities = {t.id: os.getpriority(os.PRIO_PROCESS, t.id) for t in core.threads()}
-            assert priorities.pop(core.pid) == (19 if owns else 0)
+            assert priorities.pop(core.pid) == (CORE_NICENESS if owns else 0)
             assert set(priorities.values()) == {0}
             assert all(p.nice() == 0 for p in engine.processes if p.pid != core.pid)
 

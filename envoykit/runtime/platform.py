@@ -134,17 +134,27 @@ def engine_defaults(platform: str, config: dict) -> dict[str, Any]:
     return defaults
 
 
+# The engine core's main thread's niceness where the ranks own their cores (`yield_to_ranks`).
+CORE_NICENESS = 5
+
+
 def yield_to_ranks(platform: str, tp: int, processes: list[Any]) -> None:
-    """Put the engine core's main thread at the lowest priority where each CPU rank has
-    cores of its own.
+    """Put the engine core's main thread below the ranks (`CORE_NICENESS`) where each CPU
+    rank has cores of its own.
 
     While a rank computes, the engine core's main thread waits for its answer by spinning
     (vLLM's shared-memory queue yields the CPU in a loop), and on a CPU engine the spin took
-    a share of the cores the rank's threads need: about 0.1 CPU-s of a 0.3 s lens. At the
-    lowest priority it spins only on a core nothing else wants. Measured on two cores,
-    ``demo`` at TP=1, alternating in one run: lens median 370 -> 292 ms, 16 generated
-    tokens 903 -> 710 ms. Ranks that share cores spin in their own collectives, where the
-    core's turn then came later (TP=3: lens 521 -> 533 ms), so they are left as they are.
+    a share of the cores the rank's threads need. Below the ranks it spins on what they
+    leave. Measured on two cores, ``demo`` at TP=1 (`bench/core_priority.py`, niceness 0, 5,
+    10 and 19 side by side): a lens of 256 tokens took 2034, 1802, 1759 and 1755 ms on a
+    quiet machine, of 64 tokens 573, 549, 470 and 470 ms. But the core also does its own
+    work at that priority, and the lowest (19, as before) starved it whenever anything else
+    wanted the cores: beside two busy processes ``close()`` took 0.97, 2.02, 4.12 and 7.16 s,
+    the last because vLLM gave up on the core after 5 s and killed it, and single lenses
+    took up to 3.3 s. Niceness 5 keeps part of the gain (most of it at 256 tokens) and a
+    close well within vLLM's grace. Ranks that share cores spin in their own collectives,
+    where the core's turn then came later (TP=3: lens 521 -> 533 ms), so they are left as
+    they are.
 
     Only the main thread: on Linux a process id's priority is its main thread's, so the
     core's socket threads keep theirs; and only once the ranks run, since a rank forked
@@ -160,7 +170,7 @@ def yield_to_ranks(platform: str, tp: int, processes: list[Any]) -> None:
         # (gone already: the engine's watch reports it)
         with contextlib.suppress(OSError, psutil.NoSuchProcess):
             if process.ppid() not in pids:
-                os.setpriority(os.PRIO_PROCESS, process.pid, 19)
+                os.setpriority(os.PRIO_PROCESS, process.pid, CORE_NICENESS)
 
 
 def refuse_known_wrong(platform: str, config: dict) -> None:

@@ -151,7 +151,7 @@ class EngineLifetime:
         if fork_core:  # its imports run beside this process's
             with platform.environment(env, forced={}):
                 forkserver.start()
-        workers = platform.worker_class(self._platform)
+        worker_cls = platform.worker_class(self._platform)
         # The engine's temporary files (vLLM's ZeroMQ sockets, a few dozen per engine, and its
         # rendezvous file, which vLLM leaves behind) go to a directory of the engine's own,
         # removed with it. (mkdtemp also fixes this process's own temporary directory first.)
@@ -163,7 +163,7 @@ class EngineLifetime:
         shared_memory = set(os.listdir(_SHM))
         try:
             with forkserver.engine_core() if fork_core else contextlib.nullcontext():
-                llm = self._spawn(workers, env, scratch, steps)
+                llm = self._spawn(worker_cls, env, scratch, steps)
         except BaseException as error:
             steps.close()
             _stop(_descendants() - not_the_engine)
@@ -226,7 +226,7 @@ class EngineLifetime:
         """The line a start prints under its progress bar: none here (a server prints its
         own, with its URL)."""
 
-    def _spawn(self, workers: str, env: dict[str, str], scratch: str, steps: Any) -> Any:
+    def _spawn(self, worker_cls: str, env: dict[str, str], scratch: str, steps: Any) -> Any:
         """vLLM's engine under nnsight, its processes started with ``env`` and ``scratch``."""
         forced = {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
         with platform.environment(env, forced=forced):
@@ -244,7 +244,7 @@ class EngineLifetime:
             }
             llm = EnvoykitVLLM(
                 self._source.path,
-                worker_cls=workers,
+                worker_cls=worker_cls,
                 dispatch=True,
                 tensor_parallel_size=self._tp,
                 dtype=self._dtype,

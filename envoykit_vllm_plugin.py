@@ -3,9 +3,9 @@
 
 vLLM runs every installed ``vllm.general_plugins`` entry point in every process it starts,
 envoykit's or not. This module sits outside the ``envoykit`` package so that a plain vLLM
-process pays nothing for it: importing ``envoykit`` imports nnsight, which gives every
-Python object a ``save`` attribute (vllm-lens's worker extension then refused to load
-beside it), and the plugin would move a plain vLLM's processes out of their process group.
+process pays nothing for it: envoykit's engine imports nnsight, which gives every Python
+object a ``save`` attribute (vllm-lens's worker extension then refused to load beside it),
+and the plugin would move a plain vLLM's processes out of their process group.
 It acts only where envoykit's engine set `ENGINE` in the environment.
 """
 

@@ -233,6 +233,9 @@ def run_envoykit(spec: dict, clock: _Clock) -> dict:
     began = time.time()
     import envoykit as ek
 
+    # A user's ``ek.Engine(...)`` looks the name up first, which imports the engine (and
+    # starts the engine core's imports beside it, `envoykit.runtime.forkserver.start_early`).
+    engine_class = ek.Engine
     marks["import_envoykit_done"] = time.time()
     marks["import_envoykit"] = marks["import_envoykit_done"] - began
     from nnsight.modeling.vllm.vllm import VLLM
@@ -256,7 +259,7 @@ def run_envoykit(spec: dict, clock: _Clock) -> dict:
 
     clock.wrap(selfcheck, "run", "check_started", None)
     marks["call"] = time.time()
-    engine = ek.Engine(
+    engine = engine_class(
         spec["model"], tensor_parallel_size=spec["tp"], progress=False, **spec["kwargs"]
     )
     marks["ready"] = time.time()

@@ -4,13 +4,14 @@ Spawned, an engine core starts a fresh interpreter and imports torch, vLLM, nnsi
 envoykit's worker: 6.6 s of a 20 s start of ``demo`` at TP=1 on two cores, paid after the
 owner's own imports of the same modules. Python's fork server (``multiprocessing.forkserver``)
 is one process per owner that imports them once (`PRELOAD`) and forks each engine core from
-there. On the CPU an engine starts it first thing (`start`), so its imports run beside the
-owner's on another core, and every later engine of the same owner (a restart, the next test)
-forks its core at once; ``ENVOYKIT_FORK_CORE=0`` spawns the core as vLLM does. Like Python's
-resource tracker the server lives as long as its owner: it exits when the owner does, a
-janitor removes its socket's directory after a killed owner, and `envoykit.runtime.cleanup` leaves
-both alone. Its preload list is the process's one: an owner that uses the fork server for
-its own work gets these imports too.
+there. On the CPU it starts as the owner first looks up ``envoykit.Engine`` (`start_early`),
+before the owner imports torch, so its imports run beside the owner's on another core, and
+every later engine of the same owner (a restart, the next test) forks its core at once
+(elsewhere an engine starts it first thing, `start`); ``ENVOYKIT_FORK_CORE=0`` spawns the core
+as vLLM does. Like Python's resource tracker the server lives as long as its owner: it exits
+when the owner does, a janitor removes its socket's directory after a killed owner, and
+`envoykit.runtime.cleanup` leaves both alone. Its preload list is the process's one: an
+owner that uses the fork server for its own work gets these imports too.
 
 Forking the owner itself would be quicker still, but an owner is a Jupyter kernel: threads,
 sockets, shared memory of the user's, and GNU OpenMP's thread pool, which does not survive
@@ -45,14 +46,17 @@ from envoykit.runtime.janitor import Janitor
 # "0" spawns engine cores as vLLM does; unset or "1", they are forked from the fork server.
 FORK_CORE = "ENVOYKIT_FORK_CORE"
 # What an engine core imports before it reads its config: vLLM's engine core and executor,
-# and through the worker module torch, nnsight and the model's vLLM classes; first, torch and
-# the engine's logging config (`envoykit.runtime.preload`); last, a freeze of the heap they
-# built, which the forked processes' collections then skip (`envoykit.runtime.preloaded`).
+# through the worker module torch, nnsight and the model's vLLM classes, and the analyses whose
+# code the owner's requests send to the ranks (`envoykit.engine` imports them all; the package
+# itself imports nothing); first, torch and the engine's logging config
+# (`envoykit.runtime.preload`); last, a freeze of the heap they built, which the forked
+# processes' collections then skip (`envoykit.runtime.preloaded`).
 PRELOAD = [
     "envoykit.runtime.preload",
     "vllm.v1.engine.core",
     "vllm.v1.executor.multiproc_executor",
     "envoykit.ranks.cpu",
+    "envoykit.engine",
     "envoykit.runtime.preloaded",
 ]
 
@@ -75,6 +79,43 @@ def start() -> None:
     forkserver.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     _watch_server()
+
+
+def start_early() -> None:
+    """Start the fork server before this process's own imports, when an engine is wanted.
+
+    The first lookup of ``envoykit.Engine`` calls this (the package imports lazily, see
+    `envoykit`): the server's 6 s of imports then run beside the owner's torch, nnsight and
+    vLLM rather than after the first 1.6 s of them, and the engine core that `Engine` forks
+    is ready that much sooner. Only where an engine will fork its core and that is known
+    without importing torch: a CPU-only torch build, outside an engine's own processes
+    (which import envoykit too). Elsewhere `Engine` starts the server itself, as before.
+    The server's environment is an engine's: every variable of
+    `envoykit.runtime.platform.rank_environment` that a process reads as it starts is the
+    same for any number of ranks, and each core takes the owner's environment of its own
+    engine when it is forked. vLLM's notes as the server imports it go to a log file of
+    their own, as an engine's do.
+    """
+    from envoykit.runtime import models, platform
+    from envoykit_vllm_plugin import ENGINE
+
+    if not enabled() or ENGINE in os.environ or not _cpu_only_torch():
+        return
+    _log_file, log_env = logs.configure(models.cache_dir() / "logs", "ERROR")
+    env = {**platform.rank_environment("cpu", 1), **log_env, ENGINE: "1"}
+    with platform.environment(env, forced={}):
+        start()
+
+
+def _cpu_only_torch() -> bool:
+    """Whether the installed torch is a CPU-only build (its version's local part, as the
+    wheels of download.pytorch.org name it), read without importing torch."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch").endswith("+cpu")
+    except metadata.PackageNotFoundError:
+        return False
 
 
 def running() -> list[int]:

@@ -1,7 +1,7 @@
 """envoykit's vLLM plugin acts in envoykit's engines only.
 
 vLLM runs every installed general plugin in every process it starts. In a plain vLLM process
-the plugin must import nothing of envoykit: envoykit imports nnsight, which gives every
+the plugin must import nothing of envoykit: its engine imports nnsight, which gives every
 object a ``save`` attribute, and vllm-lens's worker extension refused to load beside it.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 PROBE = (
     "import sys, envoykit_vllm_plugin as plugin; plugin.register(); "
-    "print(sorted(m for m in ('envoykit', 'nnsight') if m in sys.modules))"
+    "print(sorted(m for m in ('envoykit.runtime.lifeline', 'nnsight') if m in sys.modules))"
 )
 
 
@@ -37,7 +37,10 @@ def test_only_the_engines_marker_arms_it(value):
 
 
 def test_an_engine_process_arms_the_life_line():
-    assert imported_by_register({**os.environ, "ENVOYKIT_ENGINE": "1"}) == "['envoykit', 'nnsight']"
+    # The life line only: nnsight comes with the engine's worker, not with the plugin.
+    assert imported_by_register({**os.environ, "ENVOYKIT_ENGINE": "1"}) == (
+        "['envoykit.runtime.lifeline']"
+    )
 
 
 def test_it_is_the_entry_point_vllm_loads():

@@ -495,6 +495,7 @@ def main() -> None:
     if args.imports:
         modules = [
             "envoykit",
+            "envoykit.engine",  # what the first lookup of ek.Engine imports
             "vllm",
             "nnsight",
             "vllm.v1.engine.core",

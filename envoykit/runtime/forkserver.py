@@ -93,8 +93,8 @@ def start_early() -> None:
     The server's environment is an engine's: every variable of
     `envoykit.runtime.platform.rank_environment` that a process reads as it starts is the
     same for any number of ranks, and each core takes the owner's environment of its own
-    engine when it is forked. vLLM's notes as the server imports it go to a log file of
-    their own, as an engine's do.
+    engine when it is forked. vLLM's notes as the server imports it go to a log file in the
+    engines' log directory, not to the screen.
     """
     from envoykit.runtime import models, platform
     from envoykit_vllm_plugin import ENGINE

@@ -1,5 +1,6 @@
 """envoykit's vLLM plugin: the processes of an engine envoykit starts die with their parent
-(`envoykit.runtime.lifeline.die_with_parent`).
+(`envoykit.runtime.lifeline.die_with_parent`), and on the CPU wait for each other's messages
+asleep (`envoykit.runtime.lifeline.wait_quietly`).
 
 vLLM runs every installed ``vllm.general_plugins`` entry point in every process it starts,
 envoykit's or not. This module sits outside the ``envoykit`` package so that a plain vLLM
@@ -18,8 +19,9 @@ ENGINE = "ENVOYKIT_ENGINE"
 
 
 def register() -> None:
-    """vLLM's plugin hook: arm the life line in a process of envoykit's engine only."""
+    """vLLM's plugin hook: arm the life line (and quiet waits) in envoykit's engines only."""
     if os.environ.get(ENGINE) == "1":
-        from envoykit.runtime.lifeline import die_with_parent
+        from envoykit.runtime.lifeline import die_with_parent, wait_quietly
 
         die_with_parent()
+        wait_quietly()

@@ -60,6 +60,7 @@ NNSIGHT_VLLM = "nnsight.modeling.vllm.vllm:VLLM"
 NNSIGHT_SERVER = "nnsight.modeling.vllm.serve.server"
 SYNC_CLIENT = "vllm.v1.engine.core_client:SyncMPClient"
 FORK_SERVER = "multiprocessing.forkserver:ForkServer"
+SHM_QUEUE = "vllm.distributed.device_communicators.shm_broadcast"
 PRIVATE = (
     # nnsight's VLLM: the hooks envoykit's model class overrides.
     Private(NNSIGHT_VLLM, "_load_meta", "the MoE meta build and the readout check", hook=True),
@@ -90,6 +91,9 @@ PRIVATE = (
     Private("vllm", "_custom_ops", "meta kernels for a MoE model's build"),
     Private(SYNC_CLIENT, "outputs_queue", "a fast EngineDead", instance=True),
     Private(SYNC_CLIENT, "utility_results", "a fast EngineDead", instance=True),
+    Private(SHM_QUEUE, "SpinCondition", "CPU engines: waits that do not spin"),
+    Private(f"{SHM_QUEUE}:SpinCondition", "busy_loop_s", "waits that do not spin", instance=True),
+    Private(f"{SHM_QUEUE}:SpinCondition", "last_read", "waits that do not spin", instance=True),
     # torch.
     Private("torch._C", "_dispatch_has_kernel_for_dispatch_key", "meta kernels for MoE"),
     Private("torch.library:Library", "_destroy", "meta kernels for MoE, removed after"),
@@ -257,6 +261,40 @@ class moe_meta_kernels:
 
     def __exit__(self, *exc: object) -> None:
         self._library._destroy()
+
+
+def wait_without_spinning() -> None:
+    """Make this process's readers of vLLM's shared-memory queues sleep between reads.
+
+    vLLM's reader (``SpinCondition``) yields the core in a loop for 1 s after each message
+    it reads, and only then sleeps on the writer's notification. Here it sleeps on the
+    notification at once, for at most a millisecond while messages are recent: a
+    notification can be missed (waiting on notifications alone, a lens of 64 tokens took
+    5.5 s instead of 0.5 s, its steps stalling for the 5 s the wait is bounded by), and the
+    queue is read again either way. Idempotent."""
+    import time
+
+    module: Any = importlib.import_module(SHM_QUEUE)
+    spinning = module.SpinCondition
+    if getattr(spinning, "sleeps", False):
+        return
+
+    class Sleeping(spinning):  # type: ignore[misc, valid-type]
+        sleeps = True
+        busy_loop_s: float  # vLLM's, set in its __init__
+        last_read: float
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.recent_s = self.busy_loop_s
+            self.busy_loop_s = 0  # vLLM's wait then always sleeps on the notification
+
+        def wait(self, timeout_ms: int | None = None) -> None:
+            if time.monotonic() <= self.last_read + self.recent_s:
+                timeout_ms = 1 if timeout_ms is None else min(timeout_ms, 1)
+            super().wait(timeout_ms=timeout_ms)
+
+    module.SpinCondition = Sleeping
 
 
 # --- torch and CPython -----------------------------------------------------------------

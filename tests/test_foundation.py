@@ -93,6 +93,18 @@ class TestEngine:
             assert set(priorities.values()) == {0}
             assert all(p.nice() == 0 for p in engine.processes if p.pid != core.pid)
 
+    def test_the_engine_sleeps_between_requests(self, tiny2, demo3):
+        """After a request the engine core and the ranks wait for the next message asleep
+        (`lifeline.wait_quietly`): vLLM's own readers yield the core in a loop for a second
+        after each message, a process at 100% each where there is a core to take."""
+        for engine in (tiny2, demo3):
+            engine.lens("The quick brown fox", layers=[0])
+            time.sleep(0.05)  # the request's own work is done
+            before = {p.pid: sum(p.cpu_times()[:2]) for p in engine.processes}
+            time.sleep(0.8)
+            spent = sum(sum(p.cpu_times()[:2]) - before[p.pid] for p in engine.processes)
+            assert spent < 0.2, (engine.info.name, spent)
+
     def test_greedy_tokens_identical_at_tp1_and_tp2(self, tiny_engines):
         prompt = "The quick brown fox"
         one = tiny_engines[1].generate_ids(prompt, 8)

@@ -191,6 +191,7 @@ class _EngineCore(multiprocessing.context.ForkServerProcess):
         # process's parent) alive after the owner's death, and so this process too.
         compat.close_forkserver_alive_fd()
         lifeline.die_with_parent(parent=self._server)
+        lifeline.wait_quietly()  # before the ranks it forks inherit its queue classes
         _cleanup_without_collection()
         try:
             super().run()

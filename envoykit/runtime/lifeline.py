@@ -41,6 +41,9 @@ FORK_RANKS = "ENVOYKIT_FORK_RANKS"
 # Set there too: "1" when ranks share cores (more ranks than cores), and a forked rank then
 # runs one thread where the scheduler puts it instead of binding to its core.
 UNBOUND_RANKS = "ENVOYKIT_UNBOUND_RANKS"
+# Set there too, on the CPU: "1" makes the engine's processes wait for each other's messages
+# without spinning (`wait_quietly`).
+QUIET_WAITS = "ENVOYKIT_QUIET_WAITS"
 # Whether this process has asked for its parent's death signal (`die_with_parent`).
 _armed = False
 
@@ -78,6 +81,23 @@ def die_with_parent(parent: int | None = None) -> None:
     atexit.register(gc.freeze if is_rank else _collect_then_freeze)
     if not is_rank and os.environ.get(FORK_RANKS) == "1":
         fork_ranks()
+
+
+def wait_quietly() -> None:
+    """Where the engine asks for it (`QUIET_WAITS`), this process waits for the next message
+    on vLLM's shared-memory queues asleep, woken by the writer's notification.
+
+    vLLM's reader yields the core in a loop for 1 s after each message it reads, so that a
+    busy GPU engine never sleeps between steps. On a few cores that loop is a thread at
+    100% beside the ranks' threads: the engine core, waiting for a TP=1 rank's answer, took
+    a share of the rank's cores in every step (one lens of 15 tokens in three or four took
+    260-420 ms instead of 150-180, its core spending 70-130 ms of CPU), and the engine spent
+    a core's second of CPU after every request (`bench/quiet_waits.py`).
+    """
+    if os.environ.get(QUIET_WAITS) == "1":
+        from envoykit import _compat as compat
+
+        compat.wait_without_spinning()
 
 
 def _signal_at_parent_death(parent: int) -> None:

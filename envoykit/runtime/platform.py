@@ -89,6 +89,8 @@ def rank_environment(platform: str, tp: int) -> dict[str, str]:
         lifeline.FORK_RANKS: "1",
         # Ranks that share cores run one thread each, unbound ("0" binds them round-robin).
         lifeline.UNBOUND_RANKS: "1" if ranks_share_cores(tp) else "0",
+        # Processes that wait for each other's messages asleep, not spinning.
+        lifeline.QUIET_WAITS: "1",
         # Deprecation notices from torch and vLLM internals (every all-gather warns once per
         # rank and call site) and torch's C++ NUMA notices say nothing a user can act on;
         # in a notebook they bury the output.

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,8 @@ import envoykit
 HEAVY = ("torch", "nnsight", "vllm", "transformers")
 
 
-def run(code: str, **environ: str) -> dict:
+def run(code: str, **environ: str) -> Any:
+    """What ``code`` prints last, as JSON, run in a fresh interpreter."""
     done = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, **environ},
@@ -35,8 +37,7 @@ def run(code: str, **environ: str) -> dict:
 
 def test_importing_the_package_imports_no_engine():
     loaded = run(
-        "import json, sys, envoykit; "
-        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))".replace("\n", "")
+        f"import json, sys, envoykit; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     )
     assert loaded == []
 

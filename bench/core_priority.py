@@ -24,7 +24,8 @@ import time
 PROMPT_WORDS = "The history of the city is long and full of events that shaped the region " * 40
 
 
-def _prompt(tokens: int) -> str:
+def prompt(tokens: int) -> str:
+    """The first ``tokens`` words of a plain English text (also `bench/quiet_waits.py`'s)."""
     return " ".join(PROMPT_WORDS.split()[:tokens])
 
 
@@ -39,14 +40,14 @@ def quiet(levels: list[int], lengths: list[int], repeats: int) -> None:
         core = _core(engine)
         print(f"quiet machine, lens ms (median of {repeats}), niceness {levels}")
         for tokens in lengths:
-            prompt = _prompt(tokens)
-            engine.lens(prompt)
+            text = prompt(tokens)
+            engine.lens(text)
             times: dict[int, list[float]] = {level: [] for level in levels}
             for _ in range(repeats):
                 for level in levels:
                     os.setpriority(os.PRIO_PROCESS, core, level)
                     started = time.perf_counter()
-                    engine.lens(prompt)
+                    engine.lens(text)
                     times[level].append(time.perf_counter() - started)
             row = "  ".join(f"{statistics.median(t) * 1000:6.0f}" for t in times.values())
             print(f"  {tokens:4d} tokens: {row}")
@@ -58,15 +59,15 @@ def busy_one(level: int, hogs: int, repeats: int) -> dict:
 
     engine = ek.Engine("demo", 1, progress=False)
     os.setpriority(os.PRIO_PROCESS, _core(engine), level)
-    prompt = _prompt(15)
-    engine.lens(prompt)
+    text = prompt(15)
+    engine.lens(text)
     spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
     try:
         time.sleep(0.3)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            engine.lens(prompt)
+            engine.lens(text)
             times.append(time.perf_counter() - started)
         started = time.perf_counter()
         engine.close()

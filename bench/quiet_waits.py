@@ -17,12 +17,9 @@ import os
 import statistics
 import time
 
-WORDS = "The history of the city is long and full of events that shaped the region " * 40
+from core_priority import prompt
+
 QUIET = "ENVOYKIT_QUIET_WAITS"
-
-
-def prompt(tokens: int) -> str:
-    return " ".join(WORDS.split()[:tokens])
 
 
 def cpu_seconds(processes: list) -> float:

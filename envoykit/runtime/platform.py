@@ -147,8 +147,10 @@ def yield_to_ranks(platform: str, tp: int, processes: list[Any]) -> None:
     While a rank computes, the engine core's main thread waits for its answer by spinning
     (vLLM's shared-memory queue yields the CPU in a loop), and on a CPU engine the spin took
     a share of the cores the rank's threads need. Below the ranks it spins on what they
-    leave. Measured on two cores, ``demo`` at TP=1 (`bench/core_priority.py`, niceness 0, 5,
-    10 and 19 side by side): a lens of 256 tokens took 2034, 1802, 1759 and 1755 ms on a
+    leave. (It now waits asleep on the CPU, `envoykit.runtime.lifeline.wait_quietly`; the
+    figures here were measured while it spun.) Measured on two cores, ``demo`` at TP=1
+    (`bench/core_priority.py`, niceness 0, 5, 10 and 19 side by side): a lens of 256 tokens
+    took 2034, 1802, 1759 and 1755 ms on a
     quiet machine, of 64 tokens 573, 549, 470 and 470 ms. But the core also does its own
     work at that priority, and the lowest (19, as before) starved it whenever anything else
     wanted the cores: beside two busy processes ``close()`` took 0.97, 2.02, 4.12 and 7.16 s,
